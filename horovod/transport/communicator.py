@@ -1,0 +1,93 @@
+"""The data-plane contract: collectives on flat numpy buffers among a fixed group of ranks.
+
+The runtime decides *what* to run and in which order (every member runs the same calls in the same order);
+a :class:`Communicator` only moves and reduces bytes.  Implementations: ``shm.ShmCommunicator`` (ranks on
+one host), ``tcp.TcpCommunicator`` (any ranks, over the mesh's data channels) and
+``hierarchical.HierarchicalCommunicator`` (shm inside hosts, TCP between them).  ``make_communicator`` picks
+one.
+
+All buffers are 1-D, C-contiguous numpy arrays; counts are in elements.  Every blocking wait inside a
+collective has a deadline (``op_timeout``); a peer that disappears or times out raises
+:class:`PeerFailure` naming the peer's global rank.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+
+import numpy as np
+
+__all__ = ["ReduceOp", "Communicator", "PeerFailure", "apply_reduce"]
+
+
+class ReduceOp(enum.IntEnum):
+    """Element-wise reductions the data plane performs (Average is Sum plus scaling in the runtime)."""
+
+    SUM = 1
+    MIN = 3
+    MAX = 4
+    PRODUCT = 5
+
+
+_UFUNCS = {ReduceOp.SUM: np.add, ReduceOp.MIN: np.minimum, ReduceOp.MAX: np.maximum,
+           ReduceOp.PRODUCT: np.multiply}
+_BOOL_UFUNCS = {ReduceOp.SUM: np.logical_or, ReduceOp.MIN: np.logical_and, ReduceOp.MAX: np.logical_or,
+                ReduceOp.PRODUCT: np.logical_and}
+
+
+def apply_reduce(op: ReduceOp, acc: np.ndarray, other: np.ndarray) -> None:
+    """``acc = acc <op> other`` in place, with numpy's dtype rules (bool: or/and)."""
+    table = _BOOL_UFUNCS if acc.dtype == np.bool_ else _UFUNCS
+    table[op](acc, other, out=acc)
+
+
+class PeerFailure(ConnectionError):
+    """A peer closed its connection, sent garbage, or missed the collective's deadline."""
+
+    def __init__(self, peer: int, reason: str) -> None:
+        super().__init__(f"rank {peer}: {reason}")
+        self.peer = peer
+        self.reason = reason
+
+
+class Communicator(abc.ABC):
+    """Collectives among ``ranks`` (global ranks, sorted); ``rank``/``size`` are positions in the group.
+
+    Every method is called by every member in the same order with agreeing sizes; none of them returns
+    before this rank's part is finished.  Raises:
+        PeerFailure: a peer closed, sent a malformed frame, or did not take part within ``op_timeout``.
+    """
+
+    ranks: list[int]
+    rank: int
+    size: int
+
+    @abc.abstractmethod
+    def allreduce(self, inp: np.ndarray, out: np.ndarray, op: ReduceOp) -> None:
+        """``out = reduce(inp of every member)``.  ``inp`` may be ``out`` (in place)."""
+
+    @abc.abstractmethod
+    def allgatherv(self, inp: np.ndarray, out: np.ndarray, counts: list[int]) -> None:
+        """``out`` = concatenation of every member's ``inp`` in group order; ``counts[i]`` = len of member i."""
+
+    @abc.abstractmethod
+    def broadcast(self, buf: np.ndarray, root: int) -> None:
+        """Copy ``buf`` of group member ``root`` into ``buf`` of every member."""
+
+    @abc.abstractmethod
+    def alltoallv(self, inp: np.ndarray, send_counts: list[int], out: np.ndarray,
+                  recv_counts: list[int]) -> None:
+        """Member i sends ``inp[offset_j : offset_j + send_counts[j]]`` to member j; received blocks are
+        concatenated in ``out`` in member order with sizes ``recv_counts``."""
+
+    @abc.abstractmethod
+    def reducescatterv(self, inp: np.ndarray, out: np.ndarray, counts: list[int], op: ReduceOp) -> None:
+        """Reduce ``inp`` (len ``sum(counts)``) across members; member i receives block i (len ``counts[i]``)."""
+
+    @abc.abstractmethod
+    def barrier(self) -> None:
+        """Return once every member has entered the barrier."""
+
+    def close(self) -> None:
+        """Release segments and buffers (connections belong to the mesh)."""

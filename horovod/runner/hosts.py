@@ -1,0 +1,155 @@
+"""Host specs and the slot plan: which rank runs where.
+
+Kept apart from spawning so that the local spawner, a remote (ssh) spawner and the elastic driver all share
+one rank assignment, computed exactly as upstream's ``get_host_assignments`` does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import re
+import socket
+from collections.abc import Iterable
+
+__all__ = [
+    "HostInfo", "SlotInfo", "parse_hosts", "parse_host_files", "get_host_assignments", "is_local_host",
+    "INVALID_HOST_MESSAGE",
+]
+
+logger = logging.getLogger(__name__)
+
+_HOST_RE = re.compile(r"^[\w.-]+:[0-9]+$")
+INVALID_HOST_MESSAGE = "Invalid host input, please make sure it has format as : worker-0:2,worker-1:2."
+
+
+@dataclasses.dataclass(frozen=True)
+class HostInfo:
+    """One host and how many worker slots it offers."""
+
+    hostname: str
+    slots: int
+
+    @staticmethod
+    def from_string(spec: str) -> HostInfo:
+        """Parse ``host:slots`` (upstream's format and error text)."""
+        spec = spec.strip()
+        if not _HOST_RE.match(spec):
+            raise ValueError(INVALID_HOST_MESSAGE)
+        hostname, slots = spec.rsplit(":", 1)
+        return HostInfo(hostname, int(slots))
+
+
+@dataclasses.dataclass(frozen=True)
+class SlotInfo:
+    """The identity of one worker: what the launcher exports as ``HOROVOD_RANK`` etc."""
+
+    hostname: str
+    rank: int
+    local_rank: int
+    cross_rank: int
+    size: int
+    local_size: int
+    cross_size: int
+
+    def to_env(self) -> dict[str, str]:
+        """The per-worker variables of the launcher → worker contract (docs/architecture.md)."""
+        return {
+            "HOROVOD_HOSTNAME": self.hostname,
+            "HOROVOD_RANK": str(self.rank),
+            "HOROVOD_SIZE": str(self.size),
+            "HOROVOD_LOCAL_RANK": str(self.local_rank),
+            "HOROVOD_LOCAL_SIZE": str(self.local_size),
+            "HOROVOD_CROSS_RANK": str(self.cross_rank),
+            "HOROVOD_CROSS_SIZE": str(self.cross_size),
+        }
+
+
+def parse_hosts(hosts_string: str) -> list[HostInfo]:
+    """Parse ``-H host1:2,host2:4`` into hosts in the given order."""
+    return [HostInfo.from_string(item) for item in hosts_string.split(",") if item.strip()]
+
+
+def parse_host_files(filename: str) -> str:
+    """Turn a hostfile (``<host> slots=<n>`` per line, ``#`` comments) into the ``-H`` string form."""
+    items = []
+    with open(filename) as f:
+        for raw in f:
+            line = raw.split("#", 1)[0].strip()
+            if not line:
+                continue
+            fields = line.split()
+            hostname, slots = fields[0], 1
+            for field in fields[1:]:
+                if field.startswith("slots="):
+                    try:
+                        slots = int(field[len("slots="):])
+                    except ValueError:
+                        raise ValueError(f"Invalid slots in hostfile {filename!r} line: {raw.strip()!r}") \
+                            from None
+            items.append(f"{hostname}:{slots}")
+    return ",".join(items)
+
+
+def get_host_assignments(hosts: list[HostInfo], min_np: int, max_np: int | None = None) -> list[SlotInfo]:
+    """Assign ranks to slots, filling hosts in order (upstream's algorithm and error text).
+
+    ``cross_rank`` is the index of a host among the hosts that have a slot with the same ``local_rank``;
+    ``cross_size`` is the number of such hosts.  Without ``max_np`` every listed slot gets a rank.
+
+    Raises:
+        ValueError: the hosts offer fewer than ``min_np`` slots.
+    """
+    host_ranks: list[tuple[HostInfo, list[int]]] = []
+    cross_ranks: dict[int, dict[str, int]] = {}
+    rank = 0
+    for host in hosts:
+        ranks = []
+        for local_rank in range(host.slots):
+            if rank == max_np:
+                break
+            ranks.append(rank)
+            rank += 1
+            cross_ranks_at_local = cross_ranks.setdefault(local_rank, {})
+            cross_ranks_at_local[host.hostname] = len(cross_ranks_at_local)
+        host_ranks.append((host, ranks))
+
+    world_size = rank
+    if world_size < min_np:
+        raise ValueError(f"Requested more processes ({min_np}) than there are available slots ({world_size})")
+
+    slots = []
+    for host, ranks in host_ranks:
+        for local_rank, r in enumerate(ranks):
+            cross_ranks_at_local = cross_ranks[local_rank]
+            slots.append(SlotInfo(hostname=host.hostname, rank=r, local_rank=local_rank,
+                                  cross_rank=cross_ranks_at_local[host.hostname], size=world_size,
+                                  local_size=len(ranks), cross_size=len(cross_ranks_at_local)))
+    return slots
+
+
+def _local_addresses() -> set[str]:
+    addrs = {"127.0.0.1", "::1"}
+    try:
+        import psutil
+
+        for entries in psutil.net_if_addrs().values():
+            for entry in entries:
+                if entry.family in (socket.AF_INET, socket.AF_INET6):
+                    addrs.add(entry.address.split("%", 1)[0])
+    except Exception as e:  # psutil missing or the OS refused: fall back to the loopback set
+        logger.debug("could not list local interface addresses: %s", e)
+    return addrs
+
+
+def is_local_host(hostname: str, _local: Iterable[str] | None = None) -> bool:
+    """Whether ``hostname`` names this machine (a loopback name, our hostname, or one of our addresses)."""
+    if hostname in ("localhost", "127.0.0.1", "::1", socket.gethostname(), socket.getfqdn()):
+        return True
+    local = set(_local) if _local is not None else _local_addresses()
+    try:
+        infos = socket.getaddrinfo(hostname, None)
+    except OSError:
+        return False
+    resolved = {info[4][0] for info in infos}
+    return bool(resolved) and all(addr.startswith("127.") or addr in local for addr in resolved)

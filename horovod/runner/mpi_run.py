@@ -1,0 +1,72 @@
+"""``horovodrun --mpi``: hand the job to Open MPI's ``mpirun`` (upstream's command line).
+
+Under mpirun the workers find their ranks in ``OMPI_COMM_WORLD_*`` and use mpi4py; there is no rendezvous
+store and no per-job key (MPI does its own wire-up).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shlex
+import shutil
+import subprocess
+from collections.abc import Mapping, Sequence
+
+from horovod.runner.hosts import HostInfo
+
+__all__ = ["mpi_command", "exec_mpirun", "run_mpirun", "is_exportable"]
+
+logger = logging.getLogger(__name__)
+
+_NOT_EXPORTED = re.compile(r"^(BASH_FUNC_.*|OLDPWD|.*CUDA_VISIBLE_DEVICES|_HOROVOD_SECRET_KEY"
+                           r"|PWD|SHLVL|_)$")
+
+
+def is_exportable(name: str) -> bool:
+    """Whether an env variable of the launcher is forwarded to workers (upstream's exclusions)."""
+    return bool(re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", name)) and not _NOT_EXPORTED.match(name)
+
+
+def mpi_command(num_proc: int, hosts: Sequence[HostInfo], command: str, env: Mapping[str, str], *,
+                nics: Sequence[str] = (), output_filename: str | None = None, mpi_args: str | None = None,
+                tcp: bool = False) -> str:
+    """The Open MPI ``mpirun`` command line for the job (a shell string, as upstream builds it)."""
+    host_arg = ",".join(f"{h.hostname}:{h.slots}" for h in hosts)
+    parts = ["mpirun", "--allow-run-as-root", "--tag-output", "-np", str(num_proc), "-H", host_arg,
+             "-bind-to", "none", "-map-by", "slot", "-mca", "pml", "ob1", "-mca", "btl", "^openib"]
+    if nics:
+        parts += ["-mca", "btl_tcp_if_include", ",".join(nics), "-x", "NCCL_SOCKET_IFNAME"]
+    if output_filename:
+        parts += ["--output-filename", output_filename]
+    if tcp:
+        parts += ["-x", "NCCL_IB_DISABLE"]
+    for name in sorted(env):
+        if is_exportable(name):
+            parts += ["-x", name]
+    cmd = " ".join(shlex.quote(p) for p in parts)
+    if mpi_args:
+        cmd += " " + mpi_args
+    return cmd + " " + command
+
+
+def _check_mpirun() -> None:
+    if shutil.which("mpirun") is None:
+        raise RuntimeError("--mpi: mpirun was not found on PATH; install Open MPI or use --gloo")
+
+
+def exec_mpirun(cmd: str, env: Mapping[str, str]) -> None:
+    """Replace this process with ``/bin/sh -c <mpirun ...>`` (never returns)."""
+    _check_mpirun()
+    logger.info("%s", cmd)
+    os.execve("/bin/sh", ["/bin/sh", "-c", cmd], dict(env))
+
+
+def run_mpirun(cmd: str, env: Mapping[str, str]) -> None:
+    """Run mpirun as a child (``horovod.run`` mode).  Raises ``RuntimeError`` on a non-zero exit."""
+    _check_mpirun()
+    logger.info("%s", cmd)
+    code = subprocess.call(["/bin/sh", "-c", cmd], env=dict(env))
+    if code != 0:
+        raise RuntimeError(f"mpirun failed with exit code {code}")

@@ -1,0 +1,55 @@
+"""Worker side of ``horovod.run``: ``python -m horovod.runner.run_task <store addr> <store port>``.
+
+Fetches the pickled ``(func, args, kwargs)`` from the launcher's rendezvous store -- the only way it
+travels, so it is read only by processes holding the job key -- runs it and stores the pickled result
+under ``runfunc_result/<rank>``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from collections.abc import Sequence
+
+__all__ = ["main"]
+
+
+def _rank() -> int:
+    for name in ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK"):
+        if os.environ.get(name):
+            return int(os.environ[name])
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the stored function once; returns the process exit status."""
+    import cloudpickle
+
+    from horovod.common import auth
+    from horovod.transport.store import StoreClient
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if len(argv) != 2:
+        sys.stderr.write("usage: python -m horovod.runner.run_task <store addr> <store port>\n")
+        return 2
+    key = auth.secret_key_from_env()
+    if key is None:
+        sys.stderr.write(f"horovod.runner.run_task: {auth.SECRET_KEY_ENV} is not set; start it with "
+                         "horovod.run()\n")
+        return 2
+    timeout = float(os.environ.get("HOROVOD_START_TIMEOUT") or 30)
+    client = StoreClient(argv[0], int(argv[1]), key, timeout=timeout)
+    func, args, kwargs = cloudpickle.loads(client.get("runfunc/func"))
+    try:
+        result = func(*args, **kwargs)
+    except BaseException as e:
+        sys.stderr.write(f"User function raise error: {e}\n")
+        traceback.print_exc()
+        return 1
+    client.put(f"runfunc_result/{_rank()}", cloudpickle.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,232 @@
+"""Starting workers and watching them until the job ends.
+
+The supervisor is independent of *where* a worker runs: it takes a spawner, a callable that turns a
+:class:`WorkerSpec` into a running ``subprocess.Popen`` whose stdout/stderr are pipes.  :func:`spawn_local`
+starts the command on this host; a remote spawner (ssh) returns the ``Popen`` of its ssh client the same
+way and gets the same output forwarding and failure handling.
+
+Every worker runs in its own session (process group), so that on failure or Ctrl-C the whole tree of each
+worker -- including processes it started -- is terminated: SIGTERM to the group, a grace period, SIGKILL.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import BinaryIO
+
+from horovod.runner.output import OutputSink, forward_stream, rank_dir_name
+
+__all__ = ["WorkerSpec", "JobFailure", "spawn_local", "run_workers", "failure_message", "TERMINATE_GRACE"]
+
+logger = logging.getLogger(__name__)
+
+TERMINATE_GRACE = 5.0
+"""Seconds between SIGTERM and SIGKILL when workers are stopped."""
+
+
+@dataclasses.dataclass
+class WorkerSpec:
+    """One worker to start: its rank, command (a string runs via ``/bin/sh -c``) and full environment."""
+
+    rank: int
+    command: str | Sequence[str]
+    env: dict[str, str]
+    hostname: str = "localhost"
+    cwd: str | None = None
+
+
+Spawner = Callable[[WorkerSpec], subprocess.Popen]
+
+
+def failure_message(rank: int, exit_code: int) -> str:
+    """Upstream's text for the first worker that failed."""
+    return ("Horovod detected that one or more processes exited with non-zero status, thus causing the job "
+            f"to be terminated. The first process to do so was:\nProcess name: {rank}\nExit code: "
+            f"{exit_code}\n")
+
+
+class JobFailure(RuntimeError):
+    """A worker exited non-zero (or was killed by a signal); ``str()`` is upstream's message."""
+
+    def __init__(self, rank: int, exit_code: int) -> None:
+        message = failure_message(rank, exit_code)
+        if exit_code < 0:
+            message += f"(killed by signal {_signal_name(-exit_code)})\n"
+        super().__init__(message)
+        self.rank = rank
+        self.exit_code = exit_code
+
+    @property
+    def shell_exit_code(self) -> int:
+        """The launcher's own exit status: the worker's code, or 128+signal as a shell would report."""
+        if 0 < self.exit_code < 256:
+            return self.exit_code
+        return 128 + (-self.exit_code) if self.exit_code < 0 else 1
+
+
+class Interrupted(RuntimeError):
+    """The launcher was asked to stop (Ctrl-C, SIGTERM)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"horovodrun interrupted by {_signal_name(signum)}; all workers terminated")
+        self.signum = signum
+
+
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return str(signum)
+
+
+def spawn_local(spec: WorkerSpec) -> subprocess.Popen:
+    """Start ``spec`` on this host in a new session, with piped stdout/stderr."""
+    if isinstance(spec.command, str):
+        argv = ["/bin/sh", "-c", spec.command]
+    else:
+        argv = list(spec.command)
+    return subprocess.Popen(argv, env=spec.env, cwd=spec.cwd, stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)  # the worker leads its own session: pgid == pid
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def terminate_workers(procs: Sequence[subprocess.Popen], grace: float = TERMINATE_GRACE) -> None:
+    """SIGTERM every worker's process group, wait up to ``grace`` seconds, then SIGKILL the groups."""
+    for proc in procs:
+        _signal_group(proc, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+    for proc in procs:
+        # Also reaches children left in the group after the worker itself exited.
+        _signal_group(proc, signal.SIGKILL)
+    for proc in procs:
+        try:
+            proc.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            logger.error("worker pid %d did not exit after SIGKILL", proc.pid)
+
+
+@dataclasses.dataclass
+class OutputOptions:
+    """Where workers' output goes."""
+
+    prefix_timestamp: bool = False
+    output_dir: str | None = None
+    stdout: OutputSink | None = None
+    stderr: OutputSink | None = None
+
+
+def _open_output_files(options: OutputOptions, rank: int, num_proc: int) -> tuple[BinaryIO, BinaryIO] | None:
+    if not options.output_dir:
+        return None
+    rank_dir = os.path.join(options.output_dir, rank_dir_name(rank, num_proc))
+    os.makedirs(rank_dir, exist_ok=True)
+    return open(os.path.join(rank_dir, "stdout"), "wb"), open(os.path.join(rank_dir, "stderr"), "wb")
+
+
+def run_workers(specs: Sequence[WorkerSpec], spawner: Spawner = spawn_local,
+                output: OutputOptions | None = None, stop_event: threading.Event | None = None) -> None:
+    """Start every worker, forward its output, and wait until all exit.
+
+    Returns when every worker exited 0.  When one exits non-zero the others are terminated and
+    :class:`JobFailure` names the first to fail.  If ``stop_event`` is set (the CLI's SIGTERM handler) or
+    the caller is interrupted (KeyboardInterrupt), every worker is terminated before this returns/raises.
+
+    Raises:
+        JobFailure: a worker failed.
+        Interrupted: ``stop_event`` was set.
+    """
+    output = output or OutputOptions()
+    out_sink = output.stdout or OutputSink(sys.stdout)
+    err_sink = output.stderr or OutputSink(sys.stderr)
+    num_proc = len(specs)
+    procs: list[subprocess.Popen] = []
+    readers: list[threading.Thread] = []
+    exits: queue.Queue[tuple[int, int]] = queue.Queue()
+
+    def wait_for(rank: int, proc: subprocess.Popen) -> None:
+        exits.put((rank, proc.wait()))
+
+    try:
+        for spec in specs:
+            opened = _open_output_files(output, spec.rank, num_proc)
+            try:
+                proc = spawner(spec)
+            except BaseException:
+                for f in opened or ():
+                    f.close()
+                raise
+            procs.append(proc)
+            for stream, sink, name, copy in ((proc.stdout, out_sink, "stdout", opened and opened[0]),
+                                             (proc.stderr, err_sink, "stderr", opened and opened[1])):
+                t = threading.Thread(target=_forward_and_close, args=(stream, sink, spec.rank, name),
+                                     kwargs={"timestamp": output.prefix_timestamp, "copy_to": copy or None},
+                                     name=f"horovod-output-{spec.rank}-{name}", daemon=True)
+                t.start()
+                readers.append(t)
+            threading.Thread(target=wait_for, args=(spec.rank, proc), name=f"horovod-wait-{spec.rank}",
+                             daemon=True).start()
+
+        failure: JobFailure | None = None
+        remaining = num_proc
+        while remaining:
+            if stop_event is not None and stop_event.is_set():
+                raise Interrupted(getattr(stop_event, "signum", signal.SIGTERM))
+            try:
+                rank, code = exits.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            remaining -= 1
+            if code != 0:
+                logger.error("Process %d exit with status code %d.", rank, code)
+                logger.error("Terminating remaining workers after failure of Process %d.", rank)
+                failure = JobFailure(rank, code)
+                break
+        if failure is not None:
+            terminate_workers(procs)
+            _join_readers(readers)
+            raise failure
+        _join_readers(readers)
+    except JobFailure:
+        raise
+    except BaseException:
+        # Interrupted, KeyboardInterrupt, a spawn error: leave no worker behind.
+        terminate_workers(procs)
+        raise
+
+
+def _forward_and_close(src: BinaryIO, sink: OutputSink, rank: int, name: str, *, timestamp: bool,
+                       copy_to: BinaryIO | None) -> None:
+    # The reader owns its pipe and file: closing them from another thread could race a pending read.
+    try:
+        forward_stream(src, sink, rank, name, timestamp=timestamp, copy_to=copy_to)
+    finally:
+        src.close()
+        if copy_to is not None:
+            copy_to.close()
+
+
+def _join_readers(readers: Sequence[threading.Thread], timeout: float = 2.0) -> None:
+    # A grandchild may keep a pipe open after its worker exited; don't wait on it forever.
+    deadline = time.monotonic() + timeout
+    for t in readers:
+        t.join(timeout=max(0.0, deadline - time.monotonic()))

@@ -1,0 +1,300 @@
+"""init/shutdown/rank/size and friends, shared by every framework adapter.
+
+One engine per process, whichever frameworks are imported: ``horovod.torch.init()`` and
+``horovod.tensorflow.init()`` in the same process start it once.  The rank layout comes from the launcher's
+environment (``HOROVOD_RANK``, ... see docs/architecture.md); with none set, the process runs alone.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import socket
+import threading
+from collections.abc import Sequence
+
+from horovod.common import auth
+from horovod.common.config import env_float, read_runtime_config
+from horovod.common.process_sets import ProcessSet, global_process_set
+from horovod.runtime.engine import Engine, Topology
+from horovod.runtime.messages import Request, RequestType
+
+__all__ = [
+    "HorovodBasics", "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
+    "cross_rank", "cross_size", "is_homogeneous", "mpi_threads_supported", "mpi_enabled", "mpi_built",
+    "gloo_enabled", "gloo_built", "nccl_built", "ddl_built", "ccl_built", "cuda_built", "rocm_built",
+    "start_timeline", "stop_timeline", "engine", "Average", "Sum", "Adasum", "Min", "Max", "Product",
+]
+
+log = logging.getLogger(__name__)
+
+Average, Sum, Adasum, Min, Max, Product = 0, 1, 2, 3, 4, 5
+
+NOT_INITIALIZED = "Horovod has not been initialized; use hvd.init()."
+
+_lock = threading.RLock()
+_engine: Engine | None = None
+_static_sets: list[ProcessSet] = []
+_dynamic_counter = 0
+_init_count = 0
+_atexit_registered = False
+
+
+def _env_int(name: str, default: int) -> int:
+    text = os.environ.get(name)
+    return default if not text else int(text)
+
+
+def _topology() -> Topology:
+    return Topology(
+        rank=_env_int("HOROVOD_RANK", 0), size=_env_int("HOROVOD_SIZE", 1),
+        local_rank=_env_int("HOROVOD_LOCAL_RANK", 0), local_size=_env_int("HOROVOD_LOCAL_SIZE", 1),
+        cross_rank=_env_int("HOROVOD_CROSS_RANK", 0), cross_size=_env_int("HOROVOD_CROSS_SIZE", 1),
+        hostname=os.environ.get("HOROVOD_HOSTNAME") or socket.gethostname())
+
+
+def init(comm=None, process_sets: Sequence[ProcessSet] | str | None = None) -> None:
+    """Start Horovod in this process (idempotent while running; may be called again after shutdown)."""
+    global _engine, _static_sets, _dynamic_counter, _init_count, _atexit_registered
+    with _lock:
+        if _engine is not None and not _engine.stopped.is_set():
+            return
+        if comm is not None and not isinstance(comm, (list, tuple)):
+            raise ValueError("Horovod has not been built with MPI support. Please reinstall with MPI support "
+                             "or use the default (built-in) controller.")
+        if isinstance(process_sets, str):
+            if process_sets.lower() != "dynamic":
+                raise ValueError(f"Unknown process_sets value: {process_sets!r}")
+            os.environ["HOROVOD_DYNAMIC_PROCESS_SETS"] = "1"
+            process_sets = None
+        config = read_runtime_config()
+        topology = _topology()
+        sets = _register_static_sets(list(process_sets or []), topology.size)
+        mesh = None
+        if topology.size > 1:
+            mesh = _build_mesh(topology)
+        try:
+            engine = Engine(topology, config, mesh, {ps.process_set_id: ps.ranks for ps in sets})
+        except Exception:
+            if mesh is not None:
+                mesh.close()
+            raise
+        engine.start()
+        _engine = engine
+        _static_sets = sets
+        _dynamic_counter = 0
+        _init_count += 1
+        global_process_set.ranks = list(range(topology.size))
+        global_process_set.process_set_id = 0
+        if not _atexit_registered:
+            atexit.register(shutdown)
+            _atexit_registered = True
+
+
+def _register_static_sets(sets: list[ProcessSet], world_size: int) -> list[ProcessSet]:
+    seen: list[list[int]] = [list(range(world_size))]
+    for i, ps in enumerate(sets):
+        if ps.ranks is None:
+            raise ValueError("Process sets from mpi4py communicators need the MPI controller.")
+        if ps.ranks in seen:
+            ps.process_set_id = None
+            raise ValueError(f"Horovod could not be initialized because process_sets entry number {i} is a "
+                             f"duplicate: {ps}")
+        for r in ps.ranks:
+            if r < 0 or r >= world_size:
+                raise ValueError(f"Tried to register process set with invalid rank: {r}")
+        if len(set(ps.ranks)) != len(ps.ranks):
+            raise ValueError(f"Tried to register process set with duplicate rank: {ps.ranks}")
+        seen.append(ps.ranks)
+        ps.process_set_id = i + 1
+    return sets
+
+
+def _build_mesh(topology: Topology):
+    from horovod.transport import build_mesh
+    from horovod.transport.store import StoreClient
+
+    addr = os.environ.get("HOROVOD_GLOO_RENDEZVOUS_ADDR")
+    port = os.environ.get("HOROVOD_GLOO_RENDEZVOUS_PORT")
+    key = auth.secret_key_from_env()
+    if not addr or not port or key is None:
+        raise ValueError("Horovod initialization failed: HOROVOD_SIZE > 1 but no rendezvous address or secret "
+                         "key in the environment. Start the job with horovodrun.")
+    timeout = env_float("HOROVOD_START_TIMEOUT", 30.0)
+    store = StoreClient(addr, int(port), key, timeout=timeout)
+    return build_mesh(topology.rank, topology.size, topology.hostname, store, key,
+                      scope=f"init.{_init_count}", timeout=timeout)
+
+
+def shutdown() -> None:
+    """Stop the engine; pending operations fail with the shut-down error.  Safe when not initialized."""
+    global _engine
+    with _lock:
+        engine = _engine
+        if engine is None:
+            return
+        engine.shutdown()
+        for ps in _static_sets:
+            ps._invalidate()
+
+
+def engine() -> Engine:
+    """The running engine, or ValueError (upstream's text) before init."""
+    e = _engine
+    if e is None:
+        raise ValueError(NOT_INITIALIZED)
+    return e
+
+
+def is_initialized() -> bool:
+    return _engine is not None and not _engine.stopped.is_set()
+
+
+def _topo() -> Topology:
+    return engine().topology
+
+
+def rank() -> int:
+    return _topo().rank
+
+
+def size() -> int:
+    return _topo().size
+
+
+def local_rank() -> int:
+    return _topo().local_rank
+
+
+def local_size() -> int:
+    return _topo().local_size
+
+
+def cross_rank() -> int:
+    return _topo().cross_rank
+
+
+def cross_size() -> int:
+    return _topo().cross_size
+
+
+def is_homogeneous() -> bool:
+    """True when every host runs the same number of ranks (from the launcher's layout)."""
+    topo = _topo()
+    return topo.size == topo.local_size * topo.cross_size
+
+
+def mpi_threads_supported() -> bool:
+    engine()
+    raise ValueError("Horovod MPI is not enabled; Please make sure it's installed and enabled.")
+
+
+def mpi_enabled() -> bool:
+    return False
+
+
+def mpi_built() -> bool:
+    try:
+        import mpi4py  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def gloo_enabled() -> bool:
+    return is_initialized()
+
+
+def gloo_built() -> bool:
+    return True
+
+
+def nccl_built() -> int:
+    return 0
+
+
+def ddl_built() -> bool:
+    return False
+
+
+def ccl_built() -> bool:
+    return False
+
+
+def cuda_built() -> bool:
+    return False
+
+
+def rocm_built() -> bool:
+    return False
+
+
+def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
+    """Start writing the timeline to ``file_path`` (needs ``HOROVOD_TIMELINE=DYNAMIC`` or a file at init)."""
+    e = engine()
+    if not e.config.timeline:
+        raise ValueError("Set HOROVOD_TIMELINE=DYNAMIC to enable dynamic timeline usage.")
+    if e.timeline is not None:
+        e.timeline.start(file_path, mark_cycles)
+
+
+def stop_timeline() -> None:
+    e = engine()
+    if e.timeline is not None:
+        e.timeline.stop()
+
+
+# ---------------------------------------------------------------------- dynamic process sets
+def add_process_set(ps: ProcessSet) -> ProcessSet:
+    global _dynamic_counter
+    e = engine()
+    if not e.config.dynamic_process_sets and os.environ.get("HOROVOD_DYNAMIC_PROCESS_SETS") not in ("1",):
+        raise ValueError("Set HOROVOD_DYNAMIC_PROCESS_SETS=1 to allow adding process sets after Horovod "
+                         "initialization.")
+    if ps.ranks is None:
+        raise NotImplementedError("Adding process sets from mpi4py communicators needs the MPI controller.")
+    with e._sets_lock:
+        existing = list(e.process_sets.values())
+    if ps.process_set_id is not None or ps.ranks in existing:
+        raise ValueError(f"Attempted to add a duplicate process set: {ps}")
+    with _lock:
+        _dynamic_counter += 1
+        name = f"process_set.add.{_dynamic_counter}"
+    req = Request(RequestType.ADD_PROCESS_SET, 0, name, splits=tuple(ps.ranks))
+    payload = e.enqueue([(req, None, None)])[0].wait()
+    ps.process_set_id = payload[0]
+    return ps
+
+
+def remove_process_set(ps: ProcessSet) -> bool:
+    global _dynamic_counter
+    e = engine()
+    if ps.process_set_id is None or ps.process_set_id == 0:
+        return False
+    with _lock:
+        _dynamic_counter += 1
+        name = f"process_set.remove.{_dynamic_counter}"
+    req = Request(RequestType.REMOVE_PROCESS_SET, 0, name, splits=(ps.process_set_id,))
+    e.enqueue([(req, None, None)])[0].wait()
+    ps._invalidate()
+    return True
+
+
+def _get_process_set_ids_and_ranks() -> dict[int, list[int]]:
+    e = engine()
+    with e._sets_lock:
+        return {k: list(v) for k, v in e.process_sets.items()}
+
+
+class HorovodBasics:
+    """Upstream's class; every method delegates to the module-level functions above."""
+
+    def __init__(self, *_args, **_kwargs) -> None:
+        pass
+
+    def __getattr__(self, name: str):
+        value = globals().get(name)
+        if value is None or name.startswith("__"):
+            raise AttributeError(name)
+        return value

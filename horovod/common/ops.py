@@ -1,0 +1,200 @@
+"""One submit function per collective, shared by every adapter.
+
+Adapters turn their tensors into numpy arrays (zero-copy where the framework allows), call these, and wrap
+the result.  Each function validates its arguments with upstream's messages, builds the request and
+enqueues it; the sync, async, in-place and grouped variants of the adapters are thin wrappers.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import warnings
+from collections.abc import Sequence
+
+import numpy as np
+
+from horovod.common import basics
+from horovod.common.process_sets import ProcessSet, global_process_set
+from horovod.runtime.messages import Request, RequestType, dtype_code
+from horovod.runtime.queue import Handle
+
+__all__ = [
+    "handle_average_backwards_compatibility", "allreduce", "grouped_allreduce", "allgather",
+    "grouped_allgather", "broadcast", "alltoall", "reducescatter", "grouped_reducescatter", "join", "barrier",
+    "auto_name",
+]
+
+_OP_NAMES = {RequestType.ALLREDUCE: "Allreduce", RequestType.ALLGATHER: "Allgather",
+             RequestType.BROADCAST: "Broadcast", RequestType.ALLTOALL: "Alltoall",
+             RequestType.REDUCESCATTER: "Reducescatter", RequestType.BARRIER: "Barrier",
+             RequestType.JOIN: "Join"}
+_counter = itertools.count(1)
+_counter_lock = threading.Lock()
+
+
+def auto_name(prefix: str) -> str:
+    """``<prefix>.noname.<n>``: ranks calling in the same order generate the same names."""
+    with _counter_lock:
+        return f"{prefix}.noname.{next(_counter)}"
+
+
+def handle_average_backwards_compatibility(op: int | None, average: bool | None) -> int:
+    if op is not None:
+        if average is not None:
+            raise ValueError("The op parameter supersedes average. Please provide only one of them.")
+        return op
+    if average is not None:
+        warnings.warn("Parameter `average` has been replaced with `op` and will be removed in v1.0",
+                      DeprecationWarning, stacklevel=3)
+        return basics.Average if average else basics.Sum
+    return basics.Average
+
+
+def _set_id(process_set: ProcessSet, rtype: int) -> tuple[int, list[int]]:
+    engine = basics.engine()
+    op_name = _OP_NAMES.get(rtype, "Operation")
+    ps_id = process_set.process_set_id
+    ranks = engine.set_ranks(ps_id) if ps_id is not None else None
+    if ranks is None:
+        raise ValueError(f"{op_name}: Process set provided does not exist, or has not been registered.")
+    if engine.rank not in ranks:
+        raise ValueError(f"{op_name}: Rank {engine.rank} is not a member of the provided process set.")
+    return ps_id, ranks
+
+
+def _array(tensor) -> np.ndarray:
+    arr = np.asarray(tensor)
+    dtype_code(arr.dtype)  # ValueError for unsupported types
+    return arr
+
+
+def _enqueue(items: list[tuple[Request, np.ndarray | None, np.ndarray | None]]) -> list[Handle]:
+    return basics.engine().enqueue(items)
+
+
+def _check_op(op: int, rtype: int) -> None:
+    if op == basics.Adasum:
+        raise NotImplementedError("The Adasum reduction is not supported by the built-in transport.")
+    if op not in (basics.Average, basics.Sum, basics.Min, basics.Max, basics.Product):
+        raise ValueError(f"Unknown reduction op {op}")
+    if rtype == RequestType.REDUCESCATTER and op not in (basics.Average, basics.Sum):
+        raise ValueError("Reducescatter currently only supports AVERAGE and SUM.")
+
+
+def allreduce(tensor, output: np.ndarray | None = None, *, name: str | None = None, op: int = 0,
+              prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+              process_set: ProcessSet = global_process_set) -> Handle:
+    """Enqueue an allreduce; ``output`` (may be ``tensor`` itself) receives the result in place."""
+    return grouped_allreduce([tensor], None if output is None else [output], name=name, op=op,
+                             prescale_factor=prescale_factor, postscale_factor=postscale_factor,
+                             process_set=process_set, _grouped=False)[0]
+
+
+def grouped_allreduce(tensors: Sequence, outputs: Sequence | None = None, *, name: str | None = None,
+                      op: int = 0, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                      process_set: ProcessSet = global_process_set, _grouped: bool = True) -> list[Handle]:
+    _check_op(op, RequestType.ALLREDUCE)
+    ps_id, _ = _set_id(process_set, RequestType.ALLREDUCE)
+    arrays = [_array(t) for t in tensors]
+    if _grouped and len({a.dtype for a in arrays}) > 1:
+        raise ValueError("Tensors in a grouped allreduce must all have the same dtype.")
+    base = name or auto_name("grouped_allreduce" if _grouped else "allreduce")
+    group_id = next(_counter) if _grouped and len(arrays) > 1 else -1
+    items = []
+    for i, arr in enumerate(arrays):
+        tname = f"{base}_{i + 1}of{len(arrays)}" if _grouped else base
+        req = Request(RequestType.ALLREDUCE, ps_id, tname, dtype_code(arr.dtype), arr.shape, -1, op,
+                      float(prescale_factor), float(postscale_factor), group_id)
+        items.append((req, arr, None if outputs is None else outputs[i]))
+    return _enqueue(items)
+
+
+def allgather(tensor, *, name: str | None = None, process_set: ProcessSet = global_process_set) -> Handle:
+    return grouped_allgather([tensor], name=name, process_set=process_set, _grouped=False)[0]
+
+
+def grouped_allgather(tensors: Sequence, *, name: str | None = None,
+                      process_set: ProcessSet = global_process_set, _grouped: bool = True) -> list[Handle]:
+    ps_id, _ = _set_id(process_set, RequestType.ALLGATHER)
+    arrays = [_array(t) for t in tensors]
+    base = name or auto_name("grouped_allgather" if _grouped else "allgather")
+    items = []
+    for i, arr in enumerate(arrays):
+        tname = f"{base}_{i + 1}of{len(arrays)}" if _grouped else base
+        items.append((Request(RequestType.ALLGATHER, ps_id, tname, dtype_code(arr.dtype), arr.shape), arr, None))
+    return _enqueue(items)
+
+
+def broadcast(tensor, root_rank: int, output: np.ndarray | None = None, *, name: str | None = None,
+              process_set: ProcessSet = global_process_set) -> Handle:
+    ps_id, ranks = _set_id(process_set, RequestType.BROADCAST)
+    if root_rank not in ranks:
+        raise ValueError(f"broadcast received invalid root rank {root_rank} for provided process set")
+    arr = _array(tensor)
+    req = Request(RequestType.BROADCAST, ps_id, name or auto_name("broadcast"), dtype_code(arr.dtype),
+                  arr.shape, int(root_rank))
+    return _enqueue([(req, arr, output)])[0]
+
+
+def alltoall(tensor, splits=None, *, name: str | None = None,
+             process_set: ProcessSet = global_process_set) -> Handle:
+    """Result of the handle: ``(output, received_splits)``."""
+    ps_id, ranks = _set_id(process_set, RequestType.ALLTOALL)
+    arr = _array(tensor)
+    n = len(ranks)
+    dim0 = arr.shape[0] if arr.ndim else 0
+    if splits is None:
+        if arr.ndim == 0 or dim0 % n != 0:
+            raise ValueError("splits not provided, but first dimension of tensor is not an even multiple of "
+                             "the number of workers.")
+        split_list = [dim0 // n] * n
+    else:
+        s = np.asarray(splits)
+        if s.ndim != 1:
+            raise ValueError("alltoall expects a 1D splits tensor")
+        if s.dtype.kind not in "iu":
+            raise ValueError("alltoall expects splits to contain 32-bit integer elements.")
+        split_list = [int(x) for x in s]
+        if len(split_list) != n:
+            raise ValueError("Number of entries in splits does not equal number of workers.")
+        if any(x < 0 for x in split_list):
+            raise ValueError("alltoall expects non-negative splits.")
+        if sum(split_list) > dim0:
+            raise ValueError("Sum of splits entries is greater than the first dimension of tensor.")
+    req = Request(RequestType.ALLTOALL, ps_id, name or auto_name("alltoall"), dtype_code(arr.dtype), arr.shape,
+                  splits=tuple(split_list))
+    return _enqueue([(req, arr, None)])[0]
+
+
+def reducescatter(tensor, *, name: str | None = None, op: int = 0, prescale_factor: float = 1.0,
+                  postscale_factor: float = 1.0, process_set: ProcessSet = global_process_set) -> Handle:
+    return grouped_reducescatter([tensor], name=name, op=op, prescale_factor=prescale_factor,
+                                 postscale_factor=postscale_factor, process_set=process_set,
+                                 _grouped=False)[0]
+
+
+def grouped_reducescatter(tensors: Sequence, *, name: str | None = None, op: int = 0,
+                          prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                          process_set: ProcessSet = global_process_set, _grouped: bool = True) -> list[Handle]:
+    _check_op(op, RequestType.REDUCESCATTER)
+    ps_id, _ = _set_id(process_set, RequestType.REDUCESCATTER)
+    arrays = [_array(t) for t in tensors]
+    base = name or auto_name("grouped_reducescatter" if _grouped else "reducescatter")
+    items = []
+    for i, arr in enumerate(arrays):
+        tname = f"{base}_{i + 1}of{len(arrays)}" if _grouped else base
+        items.append((Request(RequestType.REDUCESCATTER, ps_id, tname, dtype_code(arr.dtype), arr.shape, -1, op,
+                              float(prescale_factor), float(postscale_factor)), arr, None))
+    return _enqueue(items)
+
+
+def join() -> Handle:
+    """Result: the global rank that joined last."""
+    basics.engine()
+    return _enqueue([(Request(RequestType.JOIN, 0, "join.noname"), None, None)])[0]
+
+
+def barrier(process_set: ProcessSet = global_process_set) -> Handle:
+    ps_id, _ = _set_id(process_set, RequestType.BARRIER)
+    return _enqueue([(Request(RequestType.BARRIER, ps_id, "barrier.noname"), None, None)])[0]

@@ -1,0 +1,339 @@
+"""The coordinator: one per job, driven by global rank 0's engine thread.
+
+It collects every rank's requests, decides when a tensor is ready on all members of its process set,
+validates, fuses, and hands out responses.  Because a single coordinator orders the responses of *every*
+process set, two ranks that share several sets always execute them in the same order, so overlapping sets
+cannot deadlock, while ranks of disjoint sets never wait for each other.
+
+Response cache: a single-tensor response gets a cache id that every member records.  Next time a rank
+submits the same name with the same parameters it sends only ``(set, cache id)``; when every member hit,
+the cached response is reused without decoding or validation (upstream's all-ranks-hit fast path).  Ids are
+never reused; an evicted entry stays in a graveyard until every member has acknowledged the eviction notice,
+so a hit racing an eviction still resolves.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from dataclasses import dataclass, field
+
+from horovod.runtime.messages import Request, RequestType, Response
+from horovod.runtime.validation import build_response
+
+__all__ = ["Coordinator"]
+
+log = logging.getLogger(__name__)
+
+_CACHEABLE = {RequestType.ALLREDUCE, RequestType.BROADCAST, RequestType.REDUCESCATTER,
+              RequestType.ALLGATHER, RequestType.ALLTOALL}
+_FUSABLE = {RequestType.ALLREDUCE}
+EVICTION_WARNING = (
+    "A response has been evicted from cache which may indicate reduced performance. Better performance may "
+    "be obtained by disabling caching (HOROVOD_CACHE_CAPACITY=0) or increasing the cache capacity "
+    "(HOROVOD_CACHE_CAPACITY>1024)."
+)
+
+
+@dataclass
+class _Pending:
+    requests: dict[int, Request] = field(default_factory=dict)
+    first_seen: float = 0.0
+    cache_id: int = -1  # the id every hit so far referred to (-1: some rank sent a full request)
+
+
+@dataclass
+class _CacheEntry:
+    name: str
+    response: Response
+    requests: dict[int, Request]
+
+
+@dataclass
+class _SetState:
+    id: int
+    ranks: list[int]
+    pending: dict[str, _Pending] = field(default_factory=dict)
+    cache: collections.OrderedDict = field(default_factory=collections.OrderedDict)  # id -> _CacheEntry
+    cache_by_name: dict[str, int] = field(default_factory=dict)
+    graveyard: dict[int, tuple[_CacheEntry, dict[int, int]]] = field(default_factory=dict)
+
+
+class Coordinator:
+    """Collects requests and produces, per rank, the ordered responses it must execute."""
+
+    def __init__(self, size: int, process_sets: dict[int, list[int]], *, cache_capacity: int,
+                 fusion_threshold: int, disable_group_fusion: bool = False, timeline=None,
+                 stall_warning: float = 60.0, stall_shutdown: float = 0.0, stall_disable: bool = False) -> None:
+        self.size = size
+        self.sets: dict[int, _SetState] = {i: _SetState(i, list(r)) for i, r in process_sets.items()}
+        self.cache_capacity = cache_capacity
+        self.fusion_threshold = fusion_threshold
+        self.disable_group_fusion = disable_group_fusion
+        self.timeline = timeline
+        self.stall_warning = stall_warning
+        self.stall_shutdown = stall_shutdown
+        self.stall_disable = stall_disable
+        self.joined: set[int] = set()
+        self.last_joined = -1
+        self.shutdown_reason: str | None = None
+        self._next_cache_id = 0
+        self._ready: list[Response] = []
+        self._evictions: dict[int, list[tuple[int, int]]] = collections.defaultdict(list)
+        self._sent_seq = [0] * size  # frames sent to each rank
+        self._acked = [0] * size
+        self._warned_eviction = False
+        self._next_set_id = max(self.sets) + 1 if self.sets else 1
+        self._free_set_ids: collections.deque[int] = collections.deque()
+        self._last_stall_check = time.monotonic()
+
+    # ------------------------------------------------------------------ input
+    def submit(self, rank: int, ack: int, shutdown: str | None, requests: list[Request],
+               cached: list[tuple[int, int, int]]) -> None:
+        """Record one rank's batch (``cached`` = (set id, cache id, group id) hits)."""
+        self._acked[rank] = max(self._acked[rank], ack)
+        if shutdown is not None and self.shutdown_reason is None:
+            self.shutdown_reason = shutdown
+        now = time.monotonic()
+        for req in requests:
+            req.rank = rank
+            if req.type == RequestType.JOIN:
+                self._join(rank)
+                continue
+            state = self.sets.get(req.process_set_id)
+            if state is None:  # removed meanwhile: answer with an error for this rank only
+                self._ready.append(Response(RequestType.ERROR, req.process_set_id, [req.name],
+                                            error="Process set provided does not exist, or has not been "
+                                                  "registered.", payload=[rank]))
+                continue
+            cid = state.cache_by_name.get(req.name)
+            if cid is not None:
+                self._evict(state, cid)  # a full request for a cached name means its parameters changed
+            self._add(state, req.name, rank, req, -1, now)
+        for ps_id, cid, _group in cached:
+            state = self.sets.get(ps_id)
+            entry = None if state is None else state.cache.get(cid)
+            if entry is not None:
+                state.cache.move_to_end(cid)
+            elif state is not None and cid in state.graveyard:
+                entry = state.graveyard[cid][0]
+            if entry is None:
+                log.error("rank %d referred to unknown cache entry %d of process set %d", rank, cid, ps_id)
+                self.shutdown_reason = f"protocol error: rank {rank} sent an unknown cache id"
+                continue
+            self._add(state, entry.name, rank, entry.requests[rank], cid, now)
+        if self._graveyard_pending():
+            self._collect_graveyard()
+
+    def _add(self, state: _SetState, name: str, rank: int, req: Request, cid: int, now: float) -> None:
+        pending = state.pending.get(name)
+        if pending is None:
+            pending = state.pending[name] = _Pending(first_seen=now, cache_id=cid)
+            if self.timeline is not None:
+                self.timeline.negotiate_start(name, req.type)
+        elif pending.cache_id != cid:
+            pending.cache_id = -1
+        pending.requests[rank] = req
+        if self.timeline is not None:
+            self.timeline.negotiate_rank_ready(name, rank)
+        self._check_ready(state, name, pending)
+
+    def _check_ready(self, state: _SetState, name: str, pending: _Pending) -> None:
+        submitted = len(pending.requests)
+        if submitted + sum(1 for r in state.ranks if r in self.joined and r not in pending.requests) \
+                < len(state.ranks):
+            return
+        del state.pending[name]
+        if self.timeline is not None:
+            self.timeline.negotiate_end(name)
+        if pending.cache_id >= 0 and not self.joined and pending.cache_id in state.cache:
+            entry = state.cache[pending.cache_id]
+            cached = entry.response
+            self._ready.append(Response(cached.type, cached.process_set_id, cached.names, cached.dtype,
+                                        cached.shapes, cached.root_rank, cached.reduce_op, cached.prescale,
+                                        cached.postscale, cached.rank_dims, cached.splits,
+                                        cache_ids=[-2]))  # -2: "already cached" (no re-insert)
+            return
+        response = build_response(list(pending.requests.values()), state.ranks,
+                                  self.joined if state.id == 0 else set())
+        if response.type == RequestType.ADD_PROCESS_SET:
+            response = self._add_process_set(response)
+        elif response.type == RequestType.REMOVE_PROCESS_SET:
+            self._remove_process_set(response)
+        elif response.type in _CACHEABLE and self.cache_capacity > 0 and ".noname." not in name and \
+                len(pending.requests) == len(state.ranks):  # unnamed tensors never repeat a name
+            response.cache_ids = [self._insert_cache(state, name, response, pending.requests)]
+        self._ready.append(response)
+
+    # ------------------------------------------------------------------ cache
+    def _insert_cache(self, state: _SetState, name: str, response: Response,
+                      requests: dict[int, Request]) -> int:
+        cid = self._next_cache_id
+        self._next_cache_id += 1
+        state.cache[cid] = _CacheEntry(name, response, dict(requests))
+        state.cache_by_name[name] = cid
+        while len(state.cache) > self.cache_capacity:
+            old = next(iter(state.cache))
+            if not self._warned_eviction:
+                log.warning(EVICTION_WARNING)
+                self._warned_eviction = True
+            self._evict(state, old)
+        return cid
+
+    def _evict(self, state: _SetState, cid: int) -> None:
+        entry = state.cache.pop(cid, None)
+        if entry is None:
+            return
+        if state.cache_by_name.get(entry.name) == cid:
+            del state.cache_by_name[entry.name]
+        notice_seq = {}
+        for r in state.ranks:
+            self._evictions[r].append((state.id, cid))
+            notice_seq[r] = self._sent_seq[r] + 1
+        state.graveyard[cid] = (entry, notice_seq)
+
+    def _graveyard_pending(self) -> bool:
+        return any(s.graveyard for s in self.sets.values())
+
+    def _collect_graveyard(self) -> None:
+        for state in self.sets.values():
+            done = [cid for cid, (_, seqs) in state.graveyard.items()
+                    if all(self._acked[r] >= s for r, s in seqs.items())]
+            for cid in done:
+                del state.graveyard[cid]
+
+    # ------------------------------------------------------------------ join / process sets
+    def _join(self, rank: int) -> None:
+        self.joined.add(rank)
+        self.last_joined = rank
+        state = self.sets[0]
+        for name, pending in list(state.pending.items()):
+            self._check_ready(state, name, pending)
+        if len(self.joined) == self.size:
+            self._ready.append(Response(RequestType.JOIN, 0, ["join.noname"],
+                                        last_joined_rank=self.last_joined))
+            self.joined.clear()
+
+    def _add_process_set(self, response: Response) -> Response:
+        ranks = sorted(response.payload)
+        for state in self.sets.values():
+            if state.ranks == ranks:
+                return Response(RequestType.ERROR, 0, response.names,
+                                error=f"Attempted to add a duplicate process set: {ranks}")
+        if any(r < 0 or r >= self.size for r in ranks) or len(set(ranks)) != len(ranks) or not ranks:
+            return Response(RequestType.ERROR, 0, response.names, error=f"Invalid process set ranks: {ranks}")
+        if self._free_set_ids:
+            new_id = self._free_set_ids.popleft()
+        else:
+            new_id = self._next_set_id
+            self._next_set_id += 1
+        self.sets[new_id] = _SetState(new_id, ranks)
+        response.payload = [new_id, *ranks]
+        return response
+
+    def _remove_process_set(self, response: Response) -> None:
+        set_id = response.payload[0] if response.payload else -1
+        if set_id > 0 and set_id in self.sets:
+            del self.sets[set_id]
+            self._free_set_ids.append(set_id)
+
+    # ------------------------------------------------------------------ output
+    def take_responses(self) -> dict[int, tuple[list[Response], list[tuple[int, int]]]]:
+        """Fuse what became ready and return, per rank with something to do, its responses and evictions."""
+        ready, self._ready = self._ready, []
+        fused = self._fuse(ready)
+        out: dict[int, tuple[list[Response], list[tuple[int, int]]]] = {}
+        for response in fused:
+            if response.type == RequestType.ERROR and response.payload and response.process_set_id not in \
+                    self.sets:
+                targets = response.payload
+            elif response.type in (RequestType.ADD_PROCESS_SET, RequestType.REMOVE_PROCESS_SET, RequestType.JOIN):
+                targets = range(self.size)
+            else:
+                state = self.sets.get(response.process_set_id)
+                targets = state.ranks if state is not None else range(self.size)
+            for r in targets:
+                out.setdefault(r, ([], []))[0].append(response)
+        for r, notices in self._evictions.items():
+            if notices:
+                out.setdefault(r, ([], []))[1].extend(notices)
+        self._evictions.clear()
+        for r in out:
+            self._sent_seq[r] += 1
+        return out
+
+    def _fuse(self, ready: list[Response]) -> list[Response]:
+        if self.fusion_threshold <= 0 or len(ready) < 2:
+            return ready
+        result: list[Response] = []
+        open_groups: dict[tuple, Response] = {}
+        for resp in ready:
+            if resp.type not in _FUSABLE:
+                result.append(resp)
+                continue
+            key = (resp.type, resp.process_set_id, resp.dtype, resp.reduce_op, resp.prescale, resp.postscale)
+            nbytes = resp.nbytes()
+            group = open_groups.get(key)
+            if group is not None and group.nbytes() + nbytes <= self.fusion_threshold:
+                group.names.extend(resp.names)
+                group.shapes.extend(resp.shapes)
+                group.cache_ids.extend(resp.cache_ids or [-1])
+                continue
+            fused = Response(resp.type, resp.process_set_id, list(resp.names), resp.dtype, list(resp.shapes),
+                             resp.root_rank, resp.reduce_op, resp.prescale, resp.postscale,
+                             cache_ids=list(resp.cache_ids or [-1]))
+            open_groups[key] = fused
+            result.append(fused)
+        return result
+
+    def seq_for(self, rank: int) -> int:
+        return self._sent_seq[rank]
+
+    # ------------------------------------------------------------------ stall inspector
+    def check_stalls(self, now: float | None = None) -> str | None:
+        """Warn about tensors some ranks are waiting on; return a shutdown reason past the deadline."""
+        if self.stall_disable or self.stall_warning <= 0:
+            return None
+        now = time.monotonic() if now is None else now
+        if now - self._last_stall_check < min(self.stall_warning, 1.0):
+            return None
+        self._last_stall_check = now
+        missing: dict[int, list[str]] = collections.defaultdict(list)
+        overdue: set[int] = set()
+        for state in self.sets.values():
+            for name, pending in state.pending.items():
+                waited = now - pending.first_seen
+                if waited < self.stall_warning:
+                    continue
+                for r in state.ranks:
+                    if r not in pending.requests and r not in self.joined:
+                        missing[r].append(name)
+                        if self.stall_shutdown > 0 and waited >= self.stall_shutdown:
+                            overdue.add(r)
+        if not missing:
+            return None
+        lines = [
+            "One or more tensors were submitted to be reduced, gathered or broadcasted by subset of ranks and "
+            f"are waiting for remainder of ranks for more than {int(self.stall_warning)} seconds. This may "
+            "indicate that different ranks are trying to submit different tensors or that only subset of "
+            "ranks is submitting tensors, which will cause deadlock. ",
+            "Missing ranks:",
+        ]
+        for r in sorted(missing):
+            names = missing[r][:6]
+            more = " ..." if len(missing[r]) > 6 else ""
+            lines.append(f"{r}{'!' if r in overdue else ''}: [{', '.join(names)}]{more}")
+        if self.stall_shutdown > 0 and self.stall_shutdown < self.stall_warning:
+            log.warning("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS is less than HOROVOD_STALL_CHECK_TIME_SECONDS, "
+                        "will not shutdown.")
+            overdue.clear()
+        if overdue:
+            lines.append(f'One or more rank (marked by "!") is stalled for longer than '
+                         f"{int(self.stall_shutdown)} seconds. Will shutdown.")
+            log.error("\n".join(lines))
+            detail = "; ".join(f"rank {r} never submitted {missing[r][:6]}" for r in sorted(overdue))
+            return f"stall deadline of {int(self.stall_shutdown)} s passed: {detail}"
+        log.warning("\n".join(lines))
+        self._last_stall_check = now + self.stall_warning - min(self.stall_warning, 1.0)
+        return None

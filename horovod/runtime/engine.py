@@ -1,0 +1,336 @@
+"""The engine: one background thread per process that owns all communication.
+
+Framework threads call :meth:`Engine.enqueue` and get handles.  The thread wakes as soon as work arrives
+(a byte on a pipe, no fixed cycle), sends the new requests to the coordinator (global rank 0, whose own
+engine drives the :class:`~horovod.runtime.coordinator.Coordinator` in the same loop), executes the
+responses it receives in order, and completes the handles.  Tensors enqueued while the thread is busy are
+sent together and fused.
+
+Shutdown is collective like upstream's: a rank that shuts down (or dies, or whose collective fails) makes
+the coordinator send a shutdown notice to every rank, and every pending handle fails with the shut-down
+error plus the cause.
+"""
+
+from __future__ import annotations
+
+import logging
+import selectors
+import threading
+import time
+from dataclasses import dataclass
+
+from horovod.common.config import RuntimeConfig
+from horovod.common.exceptions import SHUT_DOWN_MESSAGE, ShutdownError
+from horovod.runtime.coordinator import Coordinator
+from horovod.runtime.executor import Executor
+from horovod.runtime.messages import (Request, RequestType, Response, decode_requests, decode_responses,
+                                      encode_requests, encode_responses)
+from horovod.runtime.queue import Handle, TensorEntry, TensorQueue
+from horovod.runtime.timeline import Timeline
+from horovod.transport.communicator import Communicator
+from horovod.transport.local import SelfCommunicator
+
+__all__ = ["Engine", "Topology", "DUPLICATE_NAME_MESSAGE"]
+
+log = logging.getLogger(__name__)
+
+DUPLICATE_NAME_MESSAGE = (
+    "Requested to allreduce, allgather, or broadcast a tensor with the same name as another tensor that is "
+    "currently being processed.  If you want to request another tensor, use a different tensor name."
+)
+_REQUESTS = 1
+_RESPONSES = 2
+_SHUTDOWN_ACK_TIMEOUT = 5.0
+
+
+@dataclass(frozen=True)
+class Topology:
+    rank: int
+    size: int
+    local_rank: int = 0
+    local_size: int = 1
+    cross_rank: int = 0
+    cross_size: int = 1
+    hostname: str = "localhost"
+
+
+class Engine:
+    """Owns the queue, the background thread, the process-set table and (on rank 0) the coordinator."""
+
+    def __init__(self, topology: Topology, config: RuntimeConfig, mesh=None,
+                 process_sets: dict[int, list[int]] | None = None) -> None:
+        self.topology = topology
+        self.rank = topology.rank
+        self.size = topology.size
+        self.config = config
+        self.mesh = mesh
+        self._sets_lock = threading.Lock()
+        self.process_sets: dict[int, list[int]] = {0: list(range(self.size))}
+        self.process_sets.update(process_sets or {})
+        self.queue = TensorQueue()
+        self.timeline: Timeline | None = None
+        if self.rank == 0 and config.timeline:
+            self.timeline = Timeline(config.timeline_mark_cycles)
+            if config.timeline.upper() != "DYNAMIC":
+                self.timeline.start(config.timeline)
+        self.coordinator: Coordinator | None = None
+        if self.rank == 0:
+            self.coordinator = Coordinator(
+                self.size, dict(self.process_sets), cache_capacity=config.cache_capacity,
+                fusion_threshold=config.fusion_threshold, disable_group_fusion=config.disable_group_fusion,
+                timeline=self.timeline, stall_warning=config.stall_check_time,
+                stall_shutdown=config.stall_shutdown_time, stall_disable=config.stall_check_disable)
+        self._comms: dict[int, Communicator] = {}
+        self.executor = Executor(self.queue, self._communicator, self.timeline)
+        self._cache: dict[tuple[int, str], tuple[int, tuple]] = {}
+        self._cache_keys: dict[tuple[int, int], tuple[int, str]] = {}
+        self._seq = 0  # response frames received
+        self._todo: list[Response] = []
+        self._shutdown_requested: str | None = None
+        self._shutdown_sent_at: float | None = None
+        self._closed_peers: set[int] = set()
+        self._stop_reason: str | None = None
+        self.stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="horovod-engine", daemon=True)
+
+    # ------------------------------------------------------------------ caller side
+    def start(self) -> None:
+        self._thread.start()
+
+    def enqueue(self, items: list[tuple[Request, object, object]]) -> list[Handle]:
+        """Queue ``(request, input array, output array or None)`` items atomically; returns their handles.
+
+        Raises ValueError for a name already in flight, ShutdownError once the engine has stopped.
+        """
+        if self.stopped.is_set():
+            raise ShutdownError(self._shutdown_message())
+        entries = [TensorEntry(req, tensor, output) for req, tensor, output in items]
+        duplicate = self.queue.push(entries)
+        if duplicate is not None:
+            raise ValueError(DUPLICATE_NAME_MESSAGE)
+        if self.stopped.is_set():  # lost a race with the engine's exit: fail what we just queued
+            self._fail_pending()
+        return [e.handle for e in entries]
+
+    def shutdown(self, reason: str | None = None, timeout: float = 30.0) -> None:
+        """Ask the job to shut down and wait for this engine's thread to finish."""
+        if not self._thread.is_alive():
+            self._finish_resources()
+            return
+        if self._shutdown_requested is None:
+            self._shutdown_requested = reason or f"rank {self.rank} called shutdown()"
+        self.queue.wake()
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            log.error("Horovod engine did not stop within %.0f s", timeout)
+
+    def set_ranks(self, set_id: int) -> list[int] | None:
+        with self._sets_lock:
+            return self.process_sets.get(set_id)
+
+    def _shutdown_message(self) -> str:
+        reason = self._stop_reason
+        if reason is None or reason.endswith("called shutdown()"):
+            return SHUT_DOWN_MESSAGE
+        return f"{SHUT_DOWN_MESSAGE} Cause: {reason}"
+
+    # ------------------------------------------------------------------ engine thread
+    def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as e:  # noqa: BLE001 - the loop must always release the job
+            log.error("Horovod background loop uncaught exception: %s", e, exc_info=True)
+            if self._stop_reason is None:
+                self._stop_reason = f"rank {self.rank}: {e}"
+            self._notify_shutdown(self._stop_reason)
+        finally:
+            self.stopped.set()
+            self._fail_pending()
+            self._finish_resources()
+
+    def _loop(self) -> None:
+        sel = selectors.DefaultSelector()
+        sel.register(self.queue.wake_fd, selectors.EVENT_READ, None)
+        if self.mesh is not None:
+            for channel in self.mesh.ctrl.values():
+                sel.register(channel.fileno(), selectors.EVENT_READ, channel)
+        try:
+            while self._stop_reason is None:
+                timeout = 0 if self._todo else 1.0
+                for key, _ in sel.select(timeout):
+                    if key.data is not None:
+                        self._on_frame(key.data, sel)
+                self._send_local_requests()
+                if self.coordinator is not None:
+                    self._coordinate()
+                self._execute_todo()
+                if self._shutdown_sent_at is not None and self._stop_reason is None and \
+                        time.monotonic() - self._shutdown_sent_at > _SHUTDOWN_ACK_TIMEOUT:
+                    self._stop_reason = self._shutdown_requested
+        finally:
+            sel.close()
+
+    def _on_frame(self, channel, sel: selectors.BaseSelector) -> None:
+        peer = channel.peer
+        try:
+            kind, payload = channel.recv_msg()
+        except (ConnectionError, OSError) as e:
+            sel.unregister(channel.fileno())
+            self._closed_peers.add(peer)
+            if self.coordinator is None:
+                if self._stop_reason is None:
+                    self._stop_reason = self._shutdown_requested or \
+                        f"lost the connection to the coordinator (rank 0): {e}"
+            elif self.coordinator.shutdown_reason is None:
+                host = self.mesh.hostnames[peer] if self.mesh is not None else "?"
+                self.coordinator.shutdown_reason = f"rank {peer} on host {host} exited or lost its connection"
+            return
+        if self.coordinator is not None:
+            if kind != _REQUESTS:
+                raise ConnectionError(f"unexpected frame kind {kind} from rank {peer}")
+            self.coordinator.submit(peer, *decode_requests(payload, peer))
+        else:
+            if kind != _RESPONSES:
+                raise ConnectionError(f"unexpected frame kind {kind} from the coordinator")
+            seq, responses, shutdown, evicted = decode_responses(payload)
+            self._seq = seq
+            self._todo.extend(responses)
+            self._evict(evicted)
+            if shutdown is not None:
+                self._todo.append(Response(RequestType.ERROR, -1, [], error=shutdown, payload=[-1]))
+
+    def _send_local_requests(self) -> None:
+        new = self.queue.drain()
+        shutdown = None
+        if self._shutdown_requested is not None and self._shutdown_sent_at is None:
+            shutdown = self._shutdown_requested
+            self._shutdown_sent_at = time.monotonic()
+        if not new and shutdown is None:
+            return
+        full: list[Request] = []
+        cached: list[tuple[int, int, int]] = []
+        for e in new:
+            req = e.request
+            hit = self._cache.get((req.process_set_id, req.name))
+            if hit is not None and hit[1] == req.signature():
+                cached.append((req.process_set_id, hit[0], req.group_id))
+            else:
+                full.append(req)
+        if self.coordinator is not None:
+            self.coordinator.submit(0, self._seq, shutdown, full, cached)
+        else:
+            try:
+                self.mesh.ctrl[0].send_msg(_REQUESTS, encode_requests(self._seq, shutdown, full, cached))
+            except (ConnectionError, OSError) as e:
+                self._stop_reason = self._shutdown_requested or f"lost the connection to the coordinator: {e}"
+
+    def _coordinate(self) -> None:
+        coord = self.coordinator
+        if coord.shutdown_reason is None:
+            stall = coord.check_stalls()
+            if stall is not None:
+                coord.shutdown_reason = stall
+        outgoing = coord.take_responses()
+        shutdown = coord.shutdown_reason
+        for r in range(1, self.size) if shutdown is not None else ():
+            outgoing.setdefault(r, ([], []))
+        for r, (responses, evicted) in outgoing.items():
+            if r == 0:
+                self._seq = coord.seq_for(0)
+                self._todo.extend(responses)
+                self._evict(evicted)
+                continue
+            if r in self._closed_peers:
+                continue
+            try:
+                self.mesh.ctrl[r].send_msg(_RESPONSES, encode_responses(coord.seq_for(r), responses, shutdown,
+                                                                        evicted))
+            except (ConnectionError, OSError):
+                self._closed_peers.add(r)
+        if shutdown is not None:
+            self._todo.append(Response(RequestType.ERROR, -1, [], error=shutdown, payload=[-1]))
+
+    def _execute_todo(self) -> None:
+        while self._todo and self._stop_reason is None:
+            resp = self._todo.pop(0)
+            if resp.type == RequestType.ERROR and resp.process_set_id == -1:
+                self._stop_reason = resp.error  # the coordinator's shutdown notice
+                break
+            if resp.type == RequestType.ADD_PROCESS_SET and resp.payload:
+                with self._sets_lock:
+                    self.process_sets[resp.payload[0]] = list(resp.payload[1:])
+            elif resp.type == RequestType.REMOVE_PROCESS_SET and resp.payload:
+                with self._sets_lock:
+                    self.process_sets.pop(resp.payload[0], None)
+                comm = self._comms.pop(resp.payload[0], None)
+                if comm is not None:
+                    comm.close()
+            if resp.type == RequestType.ERROR and resp.payload and resp.payload[0] != self.rank:
+                continue
+            try:
+                entries = self.executor.execute(resp)
+            except (ConnectionError, OSError) as e:
+                self._stop_reason = f"rank {self.rank}: collective failed: {e}"
+                self._notify_shutdown(self._stop_reason)
+                return
+            for cid, entry in zip(resp.cache_ids, entries):
+                if cid >= 0 and entry is not None:
+                    key = (resp.process_set_id, entry.request.name)
+                    self._cache[key] = (cid, entry.request.signature())
+                    self._cache_keys[(resp.process_set_id, cid)] = key
+
+    def _evict(self, evicted: list[tuple[int, int]]) -> None:
+        for ps, cid in evicted:
+            key = self._cache_keys.pop((ps, cid), None)
+            if key is not None and self._cache.get(key, (None,))[0] == cid:
+                del self._cache[key]
+
+    def _notify_shutdown(self, reason: str) -> None:
+        """Best effort: tell the coordinator (or, on rank 0, everyone) that this rank is going down."""
+        if self.mesh is None:
+            return
+        try:
+            if self.coordinator is None:
+                self.mesh.ctrl[0].send_msg(_REQUESTS, encode_requests(self._seq, reason, [], []))
+            else:
+                for r, channel in self.mesh.ctrl.items():
+                    if r not in self._closed_peers:
+                        channel.send_msg(_RESPONSES, encode_responses(self.coordinator.seq_for(r) + 1, [],
+                                                                      reason, []))
+        except (ConnectionError, OSError):
+            pass
+
+    def _communicator(self, set_id: int) -> Communicator:
+        comm = self._comms.get(set_id)
+        if comm is None:
+            ranks = self.set_ranks(set_id)
+            if ranks is None:
+                raise ValueError(f"Process set {set_id} does not exist, or has not been registered.")
+            if len(ranks) == 1 or self.mesh is None:
+                comm = SelfCommunicator(self.rank)
+            else:
+                from horovod.transport import make_communicator
+
+                comm = make_communicator(self.mesh, ranks, self.config)
+            self._comms[set_id] = comm
+        return comm
+
+    def _fail_pending(self) -> None:
+        error = ShutdownError(self._shutdown_message())
+        for entry in self.queue.pop_all():
+            entry.handle.set_error(error)
+
+    def _finish_resources(self) -> None:
+        for comm in self._comms.values():
+            try:
+                comm.close()
+            except Exception:  # noqa: BLE001 - best effort on the way out
+                pass
+        self._comms.clear()
+        if self.mesh is not None:
+            self.mesh.close()
+            self.mesh = None
+        if self.timeline is not None:
+            self.timeline.close()
+            self.timeline = None
+        self.queue.close()

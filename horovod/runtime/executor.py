@@ -1,0 +1,198 @@
+"""Execute one response on the process set's communicator and complete the handles.
+
+Every member executes the same responses in the same order (the coordinator's order), so the collective
+calls on the communicator line up.  A rank that has joined has no entry for a tensor and contributes zeros
+of the announced shape.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from horovod.common.exceptions import PreconditionError
+from horovod.runtime.messages import DTYPES, RequestType, Response
+from horovod.runtime.queue import TensorEntry, TensorQueue
+from horovod.runtime.scaling import scale_inplace, scaled_copy
+from horovod.transport.communicator import Communicator, ReduceOp
+
+__all__ = ["Executor", "AVERAGE"]
+
+AVERAGE = 0
+_ACTIVITY = {RequestType.ALLREDUCE: "GLOO_ALLREDUCE", RequestType.ALLGATHER: "GLOO_ALLGATHER",
+             RequestType.BROADCAST: "GLOO_BCAST", RequestType.ALLTOALL: "MPI_ALLTOALL",
+             RequestType.REDUCESCATTER: "GLOO_REDUCESCATTER"}
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+class Executor:
+    """Runs responses; ``communicator(set_id)`` returns the set's communicator (created on first use)."""
+
+    def __init__(self, queue: TensorQueue, communicator: Callable[[int], Communicator], timeline=None) -> None:
+        self.queue = queue
+        self.communicator = communicator
+        self.timeline = timeline
+
+    def execute(self, resp: Response) -> list[TensorEntry | None]:
+        """Run ``resp``; returns its entries (None where this rank contributed zeros) for cache bookkeeping."""
+        entries = [self.queue.pop(resp.process_set_id, name) for name in resp.names]
+        rtype = resp.type
+        if rtype == RequestType.ERROR:
+            for e in entries:
+                if e is not None:
+                    e.handle.set_error(PreconditionError(resp.error))
+            return entries
+        if rtype in (RequestType.BARRIER, RequestType.JOIN, RequestType.ADD_PROCESS_SET,
+                     RequestType.REMOVE_PROCESS_SET):
+            result = resp.last_joined_rank if rtype == RequestType.JOIN else list(resp.payload)
+            for e in entries:
+                if e is not None:
+                    e.handle.set_result(result)
+            return entries
+        timeline = self.timeline if self.timeline is not None and self.timeline.active else None
+        if timeline is not None:
+            for name in resp.names:
+                timeline.begin(name, RequestType(rtype).name)
+        try:
+            comm = self.communicator(resp.process_set_id)
+            if rtype == RequestType.ALLREDUCE:
+                results = self._allreduce(comm, resp, entries, timeline)
+            elif rtype == RequestType.ALLGATHER:
+                results = [self._allgather(comm, resp, entries[0])]
+            elif rtype == RequestType.BROADCAST:
+                results = [self._broadcast(comm, resp, entries[0])]
+            elif rtype == RequestType.ALLTOALL:
+                results = [self._alltoall(comm, resp, entries[0])]
+            elif rtype == RequestType.REDUCESCATTER:
+                results = [self._reducescatter(comm, resp, entries[0])]
+            else:
+                raise PreconditionError(f"unsupported operation {rtype}")
+        except BaseException as error:
+            for e in entries:
+                if e is not None:
+                    e.handle.set_error(error)
+            raise
+        finally:
+            if timeline is not None:
+                for i, name in enumerate(resp.names):
+                    shape = resp.shapes[i] if i < len(resp.shapes) else ()
+                    timeline.end(name, {"dtype": str(DTYPES[resp.dtype]),
+                                        "shape": "[" + ", ".join(map(str, shape)) + "]"})
+        for e, result in zip(entries, results):
+            if e is not None:
+                e.handle.set_result(result)
+        return entries
+
+    # ------------------------------------------------------------------ collectives
+    @staticmethod
+    def _reduce_op(resp: Response, set_size: int) -> tuple[ReduceOp, float]:
+        if resp.reduce_op == AVERAGE:
+            return ReduceOp.SUM, resp.postscale / set_size
+        return ReduceOp(resp.reduce_op), resp.postscale
+
+    def _allreduce(self, comm: Communicator, resp: Response, entries: list[TensorEntry | None],
+                   timeline) -> list[np.ndarray]:
+        dtype = DTYPES[resp.dtype]
+        op, postscale = self._reduce_op(resp, comm.size)
+        act = timeline.begin if timeline is not None else None
+        if len(entries) == 1:
+            e = entries[0]
+            shape = resp.shapes[0]
+            out = e.output if e is not None and e.output is not None else np.empty(shape, dtype)
+            flat = out.reshape(-1)
+            if e is None:
+                src = np.zeros(_numel(shape), dtype)
+            else:  # in place: hand the communicator the very same view so it sees ``inp is out``
+                src = flat if e.output is e.tensor else e.tensor.reshape(-1)
+            if resp.prescale != 1.0:
+                scaled_copy(src, resp.prescale, flat)
+                src = flat
+            if act:
+                act(resp.names[0], "GLOO_ALLREDUCE")
+            comm.allreduce(src, flat, op)
+            if act:
+                timeline.end(resp.names[0])
+            scale_inplace(flat, postscale)
+            return [out]
+        if act:
+            for name in resp.names:
+                act(name, "MEMCPY_IN_FUSION_BUFFER")
+        parts = [e.tensor.reshape(-1) if e is not None else np.zeros(_numel(s), dtype)
+                 for e, s in zip(entries, resp.shapes)]
+        buf = np.concatenate(parts)
+        if act:
+            for name in resp.names:
+                timeline.end(name)
+                act(name, "GLOO_ALLREDUCE")
+        scale_inplace(buf, resp.prescale)
+        comm.allreduce(buf, buf, op)
+        scale_inplace(buf, postscale)
+        if act:
+            for name in resp.names:
+                timeline.end(name)
+                act(name, "MEMCPY_OUT_FUSION_BUFFER")
+        results = []
+        offset = 0
+        for e, shape in zip(entries, resp.shapes):
+            n = _numel(shape)
+            view = buf[offset:offset + n].reshape(shape)
+            offset += n
+            if e is not None and e.output is not None:
+                np.copyto(e.output, view)
+                view = e.output
+            results.append(view)
+        if act:
+            for name in resp.names:
+                timeline.end(name)
+        return results
+
+    def _allgather(self, comm: Communicator, resp: Response, e: TensorEntry) -> np.ndarray:
+        dims = resp.rank_dims[0]
+        rest = tuple(resp.shapes[0][1:])
+        row = _numel(rest)
+        out = np.empty((sum(dims), *rest), DTYPES[resp.dtype])
+        comm.allgatherv(e.tensor.reshape(-1), out.reshape(-1), [d * row for d in dims])
+        return out
+
+    def _broadcast(self, comm: Communicator, resp: Response, e: TensorEntry) -> np.ndarray:
+        root = comm.ranks.index(resp.root_rank)
+        out = e.output if e.output is not None else np.empty(e.tensor.shape, e.tensor.dtype)
+        if comm.rank == root and out is not e.tensor:
+            np.copyto(out, e.tensor)
+        comm.broadcast(out.reshape(-1), root)
+        return out
+
+    def _alltoall(self, comm: Communicator, resp: Response, e: TensorEntry) -> tuple[np.ndarray, np.ndarray]:
+        me = comm.rank
+        rest = tuple(e.tensor.shape[1:])
+        row = _numel(rest)
+        send_rows = resp.splits[me]
+        recv_rows = [resp.splits[j][me] for j in range(comm.size)]
+        out = np.empty((sum(recv_rows), *rest), e.tensor.dtype)
+        comm.alltoallv(e.tensor.reshape(-1), [s * row for s in send_rows], out.reshape(-1),
+                       [r * row for r in recv_rows])
+        return out, np.asarray(recv_rows, dtype=np.int32)
+
+    def _reducescatter(self, comm: Communicator, resp: Response, e: TensorEntry) -> np.ndarray:
+        shape = resp.shapes[0]
+        n = comm.size
+        rest = tuple(shape[1:])
+        row = _numel(rest)
+        rows = [shape[0] // n + (1 if j < shape[0] % n else 0) for j in range(n)]
+        op, postscale = self._reduce_op(resp, n)
+        src = e.tensor.reshape(-1)
+        if resp.prescale != 1.0:
+            scaled = np.empty_like(src)
+            scaled_copy(src, resp.prescale, scaled)
+            src = scaled
+        out = np.empty((rows[comm.rank], *rest), DTYPES[resp.dtype])
+        comm.reducescatterv(src, out.reshape(-1), [r * row for r in rows], op)
+        scale_inplace(out.reshape(-1), postscale)
+        return out

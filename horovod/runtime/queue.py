@@ -1,0 +1,135 @@
+"""Handles and the tensor queue shared by framework threads and the engine thread.
+
+An entry keeps the caller's input (and output, for in-place ops) alive until the collective completes: the
+engine reads and writes those buffers after ``enqueue`` has returned, so the caller must not free them —
+the adapters keep a reference to the handle, which keeps the entry, which keeps the buffers.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+import numpy as np
+
+from horovod.runtime.messages import Request
+
+__all__ = ["Handle", "TensorEntry", "TensorQueue"]
+
+
+class Handle:
+    """The future of one enqueued tensor; ``wait()`` returns its result or raises its error."""
+
+    __slots__ = ("_event", "_result", "_error", "name")
+
+    def __init__(self, name: str) -> None:
+        self._event = threading.Event()
+        self._result: Any = None
+        self._error: BaseException | None = None
+        self.name = name
+
+    def done(self) -> bool:
+        return self._event.is_set()
+
+    def wait(self, timeout: float | None = None) -> Any:
+        if not self._event.wait(timeout):
+            raise TimeoutError(f"collective {self.name!r} did not complete within {timeout} s")
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+    def set_result(self, result: Any) -> None:
+        self._result = result
+        self._event.set()
+
+    def set_error(self, error: BaseException) -> None:
+        self._error = error
+        self._event.set()
+
+
+class TensorEntry:
+    """One tensor of a pending collective: request, buffers, handle."""
+
+    __slots__ = ("request", "tensor", "output", "handle")
+
+    def __init__(self, request: Request, tensor: np.ndarray | None, output: np.ndarray | None) -> None:
+        self.request = request
+        self.tensor = tensor
+        self.output = output
+        self.handle = Handle(request.name)
+
+
+class TensorQueue:
+    """Entries waiting for negotiation, plus the table of in-flight names (duplicates are rejected)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._new: list[TensorEntry] = []
+        self._in_flight: dict[tuple[int, str], TensorEntry] = {}
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        self._signalled = False
+
+    @property
+    def wake_fd(self) -> int:
+        return self._wake_r
+
+    def push(self, entries: list[TensorEntry]) -> str | None:
+        """Add entries atomically; returns the first duplicate name instead of adding anything."""
+        with self._lock:
+            for e in entries:
+                if (e.request.process_set_id, e.request.name) in self._in_flight:
+                    return e.request.name
+            names = {(e.request.process_set_id, e.request.name) for e in entries}
+            if len(names) != len(entries):
+                return entries[0].request.name
+            for e in entries:
+                self._in_flight[(e.request.process_set_id, e.request.name)] = e
+            self._new.extend(entries)
+            signal = not self._signalled
+            self._signalled = True
+        if signal:
+            self._poke()
+        return None
+
+    def _poke(self) -> None:
+        try:
+            os.write(self._wake_w, b"\0")
+        except OSError:  # closed: the engine has exited and fails whatever is left
+            pass
+
+    def wake(self) -> None:
+        with self._lock:
+            self._signalled = True
+        self._poke()
+
+    def drain(self) -> list[TensorEntry]:
+        """Entries added since the last call (engine thread)."""
+        try:  # drain the pipe *before* taking the list, so a concurrent push always leaves a byte behind
+            while os.read(self._wake_r, 4096):
+                pass
+        except BlockingIOError:
+            pass
+        with self._lock:
+            new, self._new = self._new, []
+            self._signalled = False
+        return new
+
+    def pop(self, process_set_id: int, name: str) -> TensorEntry | None:
+        with self._lock:
+            return self._in_flight.pop((process_set_id, name), None)
+
+    def pop_all(self) -> list[TensorEntry]:
+        with self._lock:
+            entries = list(self._in_flight.values())
+            self._in_flight.clear()
+            self._new.clear()
+        return entries
+
+    def close(self) -> None:
+        for fd in (self._wake_r, self._wake_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass

@@ -1,0 +1,151 @@
+"""Upstream's Chrome-trace timeline, written by rank 0 only.
+
+A writer thread appends records; after every record the file ends with ``]`` so it is valid JSON at any
+moment (the writer seeks back over the ``]`` before appending).  Negotiation phases are recorded by the
+coordinator (which lives on rank 0), execution phases by rank 0's engine.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import threading
+import time
+
+from horovod.runtime.messages import OP_DISPLAY
+
+__all__ = ["Timeline"]
+
+log = logging.getLogger(__name__)
+
+
+class Timeline:
+    """Thread-safe recorder; ``start(path)``/``stop()`` switch files (dynamic timeline)."""
+
+    def __init__(self, mark_cycles: bool = False) -> None:
+        self.mark_cycles = mark_cycles
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._pids: dict[str, int] = {}
+        self._open: dict[str, list[str]] = {}  # name -> stack of open activities
+        self._start_us = 0.0
+        self._file = None
+        self._active = False
+        self._thread = threading.Thread(target=self._writer, name="horovod-timeline", daemon=True)
+        self._thread.start()
+
+    # -------------------------------------------------------------- control (any thread)
+    def start(self, path: str, mark_cycles: bool | None = None) -> None:
+        """Switch to a new file; returns once the writer has switched."""
+        if mark_cycles is not None:
+            self.mark_cycles = mark_cycles
+        done = threading.Event()
+        self._queue.put(("open", path, done))
+        done.wait()
+
+    def stop(self) -> None:
+        done = threading.Event()
+        self._queue.put(("close", None, done))
+        done.wait()
+
+    def close(self) -> None:
+        self.stop()
+        self._queue.put(None)
+        self._thread.join(timeout=5)
+
+    @property
+    def active(self) -> bool:
+        return self._active
+
+    # -------------------------------------------------------------- events (engine thread)
+    def _ts(self) -> int:
+        return int(time.time() * 1e6 - self._start_us)
+
+    def _pid(self, name: str) -> int:
+        pid = self._pids.get(name)
+        if pid is None:
+            pid = self._pids[name] = len(self._pids) + 1
+            self._emit({"name": "process_name", "ph": "M", "pid": pid, "args": {"name": name}})
+            self._emit({"name": "process_sort_index", "ph": "M", "pid": pid, "args": {"sort_index": pid}})
+        return pid
+
+    def _emit(self, record: dict) -> None:
+        self._queue.put(("rec", record, None))
+
+    def negotiate_start(self, name: str, request_type: int) -> None:
+        if self._active:
+            self.begin(name, "NEGOTIATE_" + OP_DISPLAY.get(request_type, str(request_type)))
+
+    def negotiate_rank_ready(self, name: str, rank: int) -> None:
+        if self._active:
+            self._emit({"ph": "X", "name": str(rank), "ts": self._ts(), "pid": self._pid(name), "dur": 0})
+
+    def negotiate_end(self, name: str) -> None:
+        if self._active:
+            self.end(name)
+
+    def begin(self, name: str, activity: str) -> None:
+        if self._active:
+            self._open.setdefault(name, []).append(activity)
+            self._emit({"ph": "B", "name": activity, "ts": self._ts(), "pid": self._pid(name)})
+
+    def end(self, name: str, args: dict | None = None) -> None:
+        if self._active:
+            stack = self._open.get(name)
+            if stack:
+                stack.pop()
+            record = {"ph": "E", "ts": self._ts(), "pid": self._pid(name)}
+            if args:
+                record["args"] = args
+            self._emit(record)
+
+    def mark_cycle(self) -> None:
+        if self._active and self.mark_cycles:
+            self._emit({"ph": "i", "name": "CYCLE_START", "ts": self._ts(), "s": "g"})
+
+    # -------------------------------------------------------------- writer thread
+    def _writer(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                break
+            kind, payload, done = item
+            try:
+                if kind == "open":
+                    self._close_file()
+                    self._open_file(payload)
+                elif kind == "close":
+                    self._close_file()
+                elif self._file is not None:
+                    self._write(payload)
+            except OSError as e:
+                log.error("timeline write failed: %s", e)
+            finally:
+                if done is not None:
+                    done.set()
+
+    def _open_file(self, path: str) -> None:
+        self._file = open(path, "wb")  # owned by the writer thread until _close_file
+        self._start_us = time.time() * 1e6
+        self._pids.clear()
+        self._file.write(b"[\n")
+        self._write({"name": "process_name", "ph": "M", "pid": 0,
+                     "args": {"start_time_since_epoch_in_micros": int(self._start_us)}})
+        self._write({"name": "process_sort_index", "ph": "M", "pid": 0, "args": {"sort_index": 0}})
+        self._active = True
+
+    def _write(self, record: dict) -> None:
+        f = self._file
+        f.seek(0, 2)
+        pos = f.tell()
+        if pos > 2:  # replace the closing "]" with ","
+            f.seek(pos - 2)
+            f.write(b",\n")
+        f.write(json.dumps(record).encode() + b"\n]")
+        f.flush()
+
+    def _close_file(self) -> None:
+        self._active = False
+        if self._file is not None:
+            self._file.close()
+            self._file = None

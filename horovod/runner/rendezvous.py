@@ -62,6 +62,10 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     timeout = READ_TIMEOUT_SECONDS
     server_version = "HorovodRendezvous/1"
 
+    def setup(self) -> None:
+        self.timeout = self.server.read_timeout  # per-server, so tests can shorten it
+        super().setup()
+
     def do_GET(self) -> None:
         self._serve("GET")
 
@@ -95,7 +99,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self.close_connection = True
             return None
         chunks, remaining = [], length
-        deadline = time.monotonic() + READ_TIMEOUT_SECONDS
+        deadline = time.monotonic() + self.server.read_timeout
         try:
             while remaining:
                 if time.monotonic() > deadline:
@@ -134,7 +138,13 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self._reply(403, b"forbidden")
         return False
 
+    def _raw_path(self) -> str:
+        # http.server collapses a leading '//' in self.path; the digest covers the path as sent.
+        words = self.requestline.split()
+        return words[1] if len(words) >= 2 else self.path
+
     def _serve(self, method: str) -> None:
+        self.path = self._raw_path()
         body = self._read_body()
         if body is None or not self._authentic(method, body):
             return
@@ -180,9 +190,10 @@ class _HTTPServer(http.server.ThreadingHTTPServer):
     allow_reuse_address = True
     request_queue_size = 128
 
-    def __init__(self, address: tuple[str, int], key: bytes, max_body: int) -> None:
+    def __init__(self, address: tuple[str, int], key: bytes, max_body: int, read_timeout: float) -> None:
         self.key = key
         self.max_body = max_body
+        self.read_timeout = read_timeout
         self.store = _Store()
         self.nonces = _NonceCache(NONCE_MEMORY)
         super().__init__(address, _Handler)
@@ -205,11 +216,12 @@ class RendezvousServer:
     """
 
     def __init__(self, key: bytes, addr: str = "127.0.0.1", port: int = 0,
-                 max_body: int = MAX_BODY_BYTES) -> None:
+                 max_body: int = MAX_BODY_BYTES, read_timeout: float = READ_TIMEOUT_SECONDS) -> None:
         self.key = key
         self.addr = addr
         self._port = port
         self._max_body = max_body
+        self._read_timeout = read_timeout
         self._httpd: _HTTPServer | None = None
         self._thread: threading.Thread | None = None
 
@@ -225,7 +237,7 @@ class RendezvousServer:
             return self.port
         family = socket.AF_INET6 if ":" in self.addr else socket.AF_INET
         server_cls = type("_Server", (_HTTPServer,), {"address_family": family})
-        self._httpd = server_cls((self.addr, self._port), self.key, self._max_body)
+        self._httpd = server_cls((self.addr, self._port), self.key, self._max_body, self._read_timeout)
         self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.1},
                                         name="horovod-rendezvous", daemon=True)
         self._thread.start()

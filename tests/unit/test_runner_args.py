@@ -1,0 +1,192 @@
+"""horovodrun argument parsing, the flag → env mapping, --config-file precedence, --check-build, mpirun."""
+
+import pytest
+
+from horovod.common.config import KNOBS
+from horovod.runner import knobs
+from horovod.runner.build_info import check_build
+from horovod.runner.hosts import HostInfo, SlotInfo
+from horovod.runner.launch import _command, _validate, parse_args, worker_env
+from horovod.runner.mpi_run import is_exportable, mpi_command
+from horovod.runner.output import rank_dir_name
+
+
+def test_basic_flags():
+    args = parse_args(["-np", "4", "-H", "localhost:4", "--verbose", "--start-timeout", "5",
+                       "--output-filename", "out", "-prefix-timestamp", "--gloo", "python", "train.py", "-x"])
+    assert args.num_proc == 4 and args.hosts == "localhost:4" and args.verbose and args.start_timeout == 5
+    assert args.output_filename == "out" and args.prefix_output_with_timestamp and args.use_gloo
+    assert args.command == ["python", "train.py", "-x"]
+    assert not args.use_mpi and not args.check_build
+
+
+def test_accepted_flags():
+    args = parse_args(["-np", "1", "-p", "2222", "-i", "id_rsa", "--network-interface", "eth0",
+                       "--network-interfaces", "eth1,eth2", "--disable-cache", "--tcp", "--mpi-args=-v",
+                       "--hostfile", "hosts.txt", "true"])
+    assert args.ssh_port == 2222 and args.ssh_identity_file == "id_rsa" and args.disable_cache
+    assert args.nics == ["eth0", "eth1,eth2"] and args.tcp_flag and args.mpi_args == "-v"
+    assert args.hostfile == "hosts.txt"
+    with pytest.raises(SystemExit):
+        parse_args(["-np", "1", "-H", "a:1", "--hostfile", "f", "true"])   # mutually exclusive
+    with pytest.raises(SystemExit):
+        parse_args(["-np", "1", "--gloo", "--mpi", "true"])
+
+
+def test_every_flagged_knob_has_an_option():
+    parser_args = parse_args([])
+    for knob in KNOBS:
+        if knob.flag:
+            assert hasattr(parser_args, knobs.knob_dest(knob)), knob.flag
+
+
+def test_knob_env_mapping():
+    args = parse_args(["-np", "2", "--fusion-threshold-mb", "32", "--cycle-time-ms", "2.5",
+                       "--cache-capacity", "0", "--timeline-filename", "/tmp/t.json",
+                       "--timeline-mark-cycles",
+                       "--no-stall-check", "--stall-check-warning-time-seconds", "10",
+                       "--stall-check-shutdown-time-seconds", "20", "--log-level", "debug",
+                       "--hierarchical-allreduce", "--no-hierarchical-allgather",
+                       "--gloo-timeout-seconds", "7",
+                       "true"])
+    assert knobs.knob_env(args) == {
+        "HOROVOD_FUSION_THRESHOLD": str(32 * 1024 * 1024),
+        "HOROVOD_CYCLE_TIME": "2.5",
+        "HOROVOD_CACHE_CAPACITY": "0",
+        "HOROVOD_TIMELINE": "/tmp/t.json",
+        "HOROVOD_TIMELINE_MARK_CYCLES": "1",
+        "HOROVOD_STALL_CHECK_DISABLE": "1",
+        "HOROVOD_STALL_CHECK_TIME_SECONDS": "10",
+        "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "20",
+        "HOROVOD_LOG_LEVEL": "DEBUG",
+        "HOROVOD_HIERARCHICAL_ALLREDUCE": "1",
+        "HOROVOD_HIERARCHICAL_ALLGATHER": "0",
+        "HOROVOD_GLOO_TIMEOUT_SECONDS": "7",
+    }
+    assert knobs.knob_env(parse_args(["-np", "2", "true"])) == {}   # nothing given, nothing exported
+    assert knobs.knob_env(parse_args(["--stall-check", "true"])) == {"HOROVOD_STALL_CHECK_DISABLE": "0"}
+
+
+@pytest.mark.parametrize("flag,dest", [("--fusion-threshold-mb", "fusion_threshold_mb"),
+                                       ("--cycle-time-ms", "cycle_time_ms"),
+                                       ("--cache-capacity", "cache_capacity"),
+                                       ("--stall-check-warning-time-seconds",
+                                        "stall_check_warning_time_seconds")])
+def test_negative_values(flag, dest):
+    args = parse_args(["-np", "1", flag, "-1", "true"])
+    with pytest.raises(ValueError) as e:
+        _validate(args)
+    assert str(e.value) == f"{dest}=-1 must be >= 0" or str(e.value) == f"{dest}=-1.0 must be >= 0"
+
+
+def test_validate_errors():
+    with pytest.raises(ValueError, match="-np"):
+        _validate(parse_args(["true"]))
+    with pytest.raises(ValueError, match="No command"):
+        _validate(parse_args(["-np", "2"]))
+    with pytest.raises(ValueError, match="not supported yet"):
+        _validate(parse_args(["-np", "2", "--min-np", "1", "true"]))
+
+
+CONFIG = """\
+# horovodrun config
+controller: mpi
+params:
+  fusion_threshold_mb: 16
+  cycle_time_ms: 3.5
+  cache_capacity: 128
+  hierarchical_allreduce: true
+timeline:
+  filename: tl.json
+  mark_cycles: true
+stall_check:
+  enabled: false
+  warning_time_seconds: 30
+logging:
+  level: info
+  with_timestamp: false
+library_options:
+  gloo_timeout_seconds: 12
+"""
+
+
+def test_config_file_precedence(tmp_path):
+    path = tmp_path / "cfg.yaml"
+    path.write_text(CONFIG)
+    args = parse_args(["-np", "2", "--config-file", str(path), "--fusion-threshold-mb", "64", "--gloo",
+                       "--stall-check-warning-time-seconds", "5", "true"])
+    env = knobs.knob_env(args)
+    assert env["HOROVOD_FUSION_THRESHOLD"] == str(64 * 1024 * 1024)          # CLI wins
+    assert env["HOROVOD_STALL_CHECK_TIME_SECONDS"] == "5"                     # CLI wins
+    assert env["HOROVOD_CYCLE_TIME"] == "3.5"                                 # from the file
+    assert env["HOROVOD_CACHE_CAPACITY"] == "128"
+    assert env["HOROVOD_HIERARCHICAL_ALLREDUCE"] == "1"
+    assert env["HOROVOD_TIMELINE"] == "tl.json" and env["HOROVOD_TIMELINE_MARK_CYCLES"] == "1"
+    assert env["HOROVOD_STALL_CHECK_DISABLE"] == "1"                          # enabled: false
+    assert env["HOROVOD_LOG_LEVEL"] == "INFO" and env["HOROVOD_LOG_HIDE_TIME"] == "1"
+    assert env["HOROVOD_GLOO_TIMEOUT_SECONDS"] == "12"
+    assert args.use_gloo and not args.use_mpi                                 # explicit --gloo wins
+    args = parse_args(["-np", "2", "--config-file", str(path), "true"])
+    assert args.use_mpi
+
+
+def test_simple_yaml_matches_pyyaml():
+    yaml = pytest.importorskip("yaml")
+    assert knobs._parse_simple_yaml(CONFIG, "cfg") == yaml.safe_load(CONFIG)
+
+
+def test_worker_env():
+    slot = SlotInfo("localhost", rank=1, local_rank=1, cross_rank=0, size=3, local_size=3, cross_size=1)
+    env = worker_env(slot, base={"PATH": "/bin", "HOROVOD_RANK": "9", "_HOROVOD_SECRET_KEY": "x"},
+                     store_addr="127.0.0.1", store_port=1234, key=b"\x01" * 32,
+                     knobs={"HOROVOD_CYCLE_TIME": "2.0"}, start_timeout=17, nics=["lo", "eth0"], tcp=True)
+    assert env == {
+        "PATH": "/bin", "HOROVOD_CYCLE_TIME": "2.0",
+        "HOROVOD_HOSTNAME": "localhost", "HOROVOD_RANK": "1", "HOROVOD_SIZE": "3", "HOROVOD_LOCAL_RANK": "1",
+        "HOROVOD_LOCAL_SIZE": "3", "HOROVOD_CROSS_RANK": "0", "HOROVOD_CROSS_SIZE": "1",
+        "HOROVOD_GLOO_RENDEZVOUS_ADDR": "127.0.0.1", "HOROVOD_GLOO_RENDEZVOUS_PORT": "1234",
+        "HOROVOD_CONTROLLER": "gloo", "HOROVOD_CPU_OPERATIONS": "gloo", "HOROVOD_START_TIMEOUT": "17",
+        "PYTHONUNBUFFERED": "1", "HOROVOD_SECRET_KEY": "01" * 32, "HOROVOD_GLOO_IFACE": "lo",
+        "NCCL_SOCKET_IFNAME": "lo,eth0", "NCCL_IB_DISABLE": "1",
+    }
+
+
+def test_command_forms():
+    assert _command(parse_args(["-np", "1", "python", "-c", "print(1)"])) == ["python", "-c", "print(1)"]
+    assert _command(parse_args(["-np", "1", "python a.py | tee x"])) == "python a.py | tee x"
+    assert _command(parse_args(["-np", "1", "hostname"])) == ["hostname"]
+
+
+def test_rank_dir_name():
+    assert rank_dir_name(0, 1) == "rank.0"
+    assert rank_dir_name(3, 10) == "rank.3"
+    assert rank_dir_name(3, 11) == "rank.03"
+    assert rank_dir_name(42, 101) == "rank.042"
+
+
+def test_check_build_layout():
+    text = check_build()
+    lines = text.split("\n")
+    assert lines[0].startswith("Horovod v") and lines[0].endswith(":")
+    assert lines[1:3] == ["", "Available Frameworks:"]
+    assert [line[8:] for line in lines[3:6]] == ["TensorFlow", "PyTorch", "MXNet"]
+    assert lines[6:8] == ["", "Available Controllers:"]
+    assert lines[9] == "    [X] Gloo"
+    assert lines[10:12] == ["", "Available Tensor Operations:"]
+    assert [line[8:] for line in lines[12:17]] == ["NCCL", "DDL", "CCL", "MPI", "Gloo    "]
+    assert lines[-1] == "    [X] Gloo    "
+    for line in lines[3:6] + lines[8:10] + lines[12:17]:
+        assert line[:5] == "    [" and line[5] in "X " and line[6:8] == "] "
+    assert check_build(verbose=True).startswith("\nHorovod v")
+
+
+def test_mpi_command():
+    env = {"PATH": "/bin", "HOROVOD_CYCLE_TIME": "2", "BASH_FUNC_x%%": "f", "OLDPWD": "/",
+           "CUDA_VISIBLE_DEVICES": "0"}
+    cmd = mpi_command(4, [HostInfo("a", 2), HostInfo("b", 2)], "python train.py", env, nics=["eth0"],
+                      output_filename="logs", mpi_args="--report-bindings")
+    assert cmd == ("mpirun --allow-run-as-root --tag-output -np 4 -H a:2,b:2 -bind-to none -map-by slot "
+                   "-mca pml ob1 -mca btl '^openib' -mca btl_tcp_if_include eth0 -x NCCL_SOCKET_IFNAME "
+                   "--output-filename logs -x HOROVOD_CYCLE_TIME -x PATH --report-bindings python train.py")
+    assert not is_exportable("OLDPWD") and not is_exportable("BASH_FUNC_foo%%")
+    assert not is_exportable("_HOROVOD_SECRET_KEY") and is_exportable("HOROVOD_SECRET_KEY")

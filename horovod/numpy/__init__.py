@@ -21,11 +21,36 @@ from typing import Any
 import numpy as np
 
 from horovod.common import ops as _ops
-from horovod.common.basics import (Adasum, Average, Max, Min, Product, Sum, ccl_built, cross_rank, cross_size,
-                                   cuda_built, ddl_built, gloo_built, gloo_enabled, init, is_homogeneous,
-                                   is_initialized, local_rank, local_size, mpi_built, mpi_enabled,
-                                   mpi_threads_supported, nccl_built, rank, rocm_built, shutdown, size,
-                                   start_timeline, stop_timeline)
+from horovod.common.basics import (
+    Adasum,
+    Average,
+    Max,
+    Min,
+    Product,
+    Sum,
+    ccl_built,
+    cross_rank,
+    cross_size,
+    cuda_built,
+    ddl_built,
+    gloo_built,
+    gloo_enabled,
+    init,
+    is_homogeneous,
+    is_initialized,
+    local_rank,
+    local_size,
+    mpi_built,
+    mpi_enabled,
+    mpi_threads_supported,
+    nccl_built,
+    rank,
+    rocm_built,
+    shutdown,
+    size,
+    start_timeline,
+    stop_timeline,
+)
 from horovod.common.exceptions import HorovodInternalError
 from horovod.common.objects import allgather_object, broadcast_object
 from horovod.common.process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set

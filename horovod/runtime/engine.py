@@ -23,8 +23,15 @@ from horovod.common.config import RuntimeConfig
 from horovod.common.exceptions import SHUT_DOWN_MESSAGE, ShutdownError
 from horovod.runtime.coordinator import Coordinator
 from horovod.runtime.executor import Executor
-from horovod.runtime.messages import (Request, RequestType, Response, decode_requests, decode_responses,
-                                      encode_requests, encode_responses)
+from horovod.runtime.messages import (
+    Request,
+    RequestType,
+    Response,
+    decode_requests,
+    decode_responses,
+    encode_requests,
+    encode_responses,
+)
 from horovod.runtime.queue import Handle, TensorEntry, TensorQueue
 from horovod.runtime.timeline import Timeline
 from horovod.transport.communicator import Communicator

@@ -1,0 +1,252 @@
+"""horovodrun end to end on this host, with tiny worker scripts that do not need the engine."""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import psutil
+import pytest
+
+import horovod
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TIMEOUT = 60
+
+
+def _env():
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([REPO, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    return env
+
+
+def horovodrun(*args, timeout=TIMEOUT, text=True):
+    return subprocess.run([sys.executable, "-m", "horovod.runner", *args], env=_env(),
+                          capture_output=True, text=text, timeout=timeout)
+
+
+def _lines(text, rank, stream="stdout"):
+    tag = f"[{rank}]<{stream}>:"
+    return [line[len(tag):] for line in text.splitlines() if line.startswith(tag)]
+
+
+def _gone(pids, within=10.0):
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        if not alive:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+ENV_SCRIPT = textwrap.dedent("""
+    import json, os
+    names = ["HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE", "HOROVOD_CROSS_RANK",
+             "HOROVOD_CROSS_SIZE", "HOROVOD_HOSTNAME", "HOROVOD_GLOO_RENDEZVOUS_ADDR",
+             "HOROVOD_GLOO_RENDEZVOUS_PORT", "HOROVOD_CONTROLLER", "HOROVOD_CPU_OPERATIONS", "PYTHONUNBUFFERED",
+             "HOROVOD_SECRET_KEY", "HOROVOD_START_TIMEOUT", "HOROVOD_FUSION_THRESHOLD", "HOROVOD_CYCLE_TIME",
+             "LAUNCHER_VAR"]
+    print(json.dumps({n: os.environ.get(n) for n in names}))
+""")
+
+
+def test_env_per_rank():
+    os.environ["LAUNCHER_VAR"] = "inherited"
+    try:
+        proc = horovodrun("-np", "3", "--fusion-threshold-mb", "8", "--cycle-time-ms", "2.5",
+                          "--start-timeout", "17", sys.executable, "-c", ENV_SCRIPT)
+    finally:
+        del os.environ["LAUNCHER_VAR"]
+    assert proc.returncode == 0, proc.stderr
+    envs = [json.loads(_lines(proc.stdout, r)[0]) for r in range(3)]
+    for r, env in enumerate(envs):
+        assert env["HOROVOD_RANK"] == str(r) and env["HOROVOD_SIZE"] == "3"
+        assert env["HOROVOD_LOCAL_RANK"] == str(r) and env["HOROVOD_LOCAL_SIZE"] == "3"
+        assert env["HOROVOD_CROSS_RANK"] == "0" and env["HOROVOD_CROSS_SIZE"] == "1"
+        assert env["HOROVOD_HOSTNAME"] == "localhost"
+        assert env["HOROVOD_GLOO_RENDEZVOUS_ADDR"] == "127.0.0.1"
+        assert int(env["HOROVOD_GLOO_RENDEZVOUS_PORT"]) > 0
+        assert env["HOROVOD_CONTROLLER"] == "gloo" and env["HOROVOD_CPU_OPERATIONS"] == "gloo"
+        assert env["PYTHONUNBUFFERED"] == "1" and env["HOROVOD_START_TIMEOUT"] == "17"
+        assert re.fullmatch(r"[0-9a-f]{64}", env["HOROVOD_SECRET_KEY"])
+        assert env["HOROVOD_FUSION_THRESHOLD"] == str(8 * 1024 * 1024) and env["HOROVOD_CYCLE_TIME"] == "2.5"
+        assert env["LAUNCHER_VAR"] == "inherited"
+    assert len({e["HOROVOD_SECRET_KEY"] for e in envs}) == 1
+    assert len({e["HOROVOD_GLOO_RENDEZVOUS_PORT"] for e in envs}) == 1
+    assert "starting 3 ranks on localhost:3" in proc.stderr
+
+
+def test_env_multi_slot_hosts_cross_values():
+    # Two names of this host: local/cross values follow the slot plan.
+    proc = horovodrun("-np", "3", "-H", "localhost:2,127.0.0.1:1", sys.executable, "-c", ENV_SCRIPT)
+    assert proc.returncode == 0, proc.stderr
+    got = [json.loads(_lines(proc.stdout, r)[0]) for r in range(3)]
+    assert [(e["HOROVOD_HOSTNAME"], e["HOROVOD_LOCAL_RANK"], e["HOROVOD_LOCAL_SIZE"], e["HOROVOD_CROSS_RANK"],
+             e["HOROVOD_CROSS_SIZE"]) for e in got] == [
+        ("localhost", "0", "2", "0", "2"), ("localhost", "1", "2", "0", "1"), ("127.0.0.1", "0", "1", "1", "2")]
+
+
+OUTPUT_SCRIPT = textwrap.dedent("""
+    import os, sys
+    r = os.environ["HOROVOD_RANK"]
+    sys.stdout.write("line one " + r + "\\nprogress 50%\\rprogress 100%\\r\\nunicode \\u00e9\\u4e2d\\n")
+    sys.stderr.write("error line " + r + "\\n")
+    sys.stdout.flush()
+    sys.stdout.buffer.write("split \\u00e9".encode()[:-1]); sys.stdout.flush()
+    sys.stdout.buffer.write("split \\u00e9".encode()[-1:] + b"\\n")
+    sys.stdout.write("partial last " + r)
+""")
+
+
+def test_output_prefixing(tmp_path):
+    proc = horovodrun("-np", "2", "--output-filename", str(tmp_path / "logs"), sys.executable, "-c",
+                      OUTPUT_SCRIPT, text=False)
+    assert proc.returncode == 0, proc.stderr
+    raw = proc.stdout.decode()
+    proc.stdout, proc.stderr = raw.replace("\r\n", "\n").replace("\r", "\n"), proc.stderr.decode()
+    for r in range(2):
+        assert _lines(proc.stdout, r) == [f"line one {r}", "progress 50%", "progress 100%", "unicode é中",
+                                          "split é", f"partial last {r}"]
+        assert f"[{r}]<stdout>:progress 50%\r[{r}]<stdout>:progress 100%\n" in raw
+        assert _lines(proc.stderr, r, "stderr") == [f"error line {r}"]
+        rank_dir = tmp_path / "logs" / f"rank.{r}"
+        stdout = (rank_dir / "stdout").read_text()
+        assert stdout.startswith(f"line one {r}\n") and stdout.endswith(f"partial last {r}")
+        assert (rank_dir / "stderr").read_text() == f"error line {r}\n"
+
+
+def test_output_filename_np1_and_timestamp(tmp_path):
+    proc = horovodrun("-np", "1", "--output-filename", str(tmp_path), "-prefix-timestamp",
+                      sys.executable, "-c", "print('hello')")
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "rank.0" / "stdout").read_text() == "hello\n"
+    assert re.search(r"^\w{3} \w{3} [ \d]\d \d\d:\d\d:\d\d \d{4}\[0\]<stdout>:hello$", proc.stdout, re.M), proc.stdout
+
+
+def test_shell_command_string():
+    proc = horovodrun("-np", "2", "echo rank $HOROVOD_RANK | tr a-z A-Z")
+    assert proc.returncode == 0, proc.stderr
+    assert _lines(proc.stdout, 0) == ["RANK 0"] and _lines(proc.stdout, 1) == ["RANK 1"]
+
+
+FAIL_SCRIPT = textwrap.dedent("""
+    import os, subprocess, sys, time
+    r = int(os.environ["HOROVOD_RANK"])
+    child = subprocess.Popen(["sleep", "60"])          # a grandchild must die too
+    print("pids", os.getpid(), child.pid, flush=True)
+    if r == 1:
+        time.sleep(1.0)
+        sys.exit(3)
+    time.sleep(60)
+""")
+
+
+def _pids(stdout, np):
+    pids = []
+    for r in range(np):
+        for line in _lines(stdout, r):
+            if line.startswith("pids "):
+                pids += [int(p) for p in line.split()[1:]]
+    return pids
+
+
+def test_failure_kills_others_and_reports_first():
+    start = time.monotonic()
+    proc = horovodrun("-np", "3", sys.executable, "-c", FAIL_SCRIPT)
+    elapsed = time.monotonic() - start
+    assert proc.returncode != 0
+    assert elapsed < 20
+    assert "Process 1 exit with status code 3." in proc.stderr
+    assert "Terminating remaining workers after failure of Process 1." in proc.stderr
+    assert ("Horovod detected that one or more processes exited with non-zero status, thus causing the job to "
+            "be terminated. The first process to do so was:\nProcess name: 1\nExit code: 3\n") in proc.stderr
+    pids = _pids(proc.stdout, 3)
+    assert len(pids) == 6
+    assert _gone(pids, within=5)
+
+
+def test_worker_killed_by_signal():
+    proc = horovodrun("-np", "2", sys.executable, "-c",
+                      "import os, signal, time\n"
+                      "if os.environ['HOROVOD_RANK'] == '0': os.kill(os.getpid(), signal.SIGKILL)\n"
+                      "time.sleep(60)")
+    assert proc.returncode != 0
+    assert "Process name: 0\nExit code: -9\n" in proc.stderr and "SIGKILL" in proc.stderr
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_to_launcher_kills_workers(sig):
+    launcher = subprocess.Popen([sys.executable, "-m", "horovod.runner", "-np", "2", sys.executable, "-c",
+                                 FAIL_SCRIPT.replace("r == 1", "False")],
+                                env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        seen = []
+        deadline = time.monotonic() + 30
+        while len(seen) < 2 and time.monotonic() < deadline:
+            line = launcher.stdout.readline()
+            if "pids" in line:
+                seen.append(line)
+        pids = _pids("".join(seen), 2)
+        assert len(pids) == 4
+        launcher.send_signal(sig)
+        launcher.wait(timeout=20)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode != 0
+    assert _gone(pids, within=5)
+
+
+def test_check_build():
+    proc = horovodrun("--check-build")
+    assert proc.returncode == 0
+    assert proc.stdout.startswith(f"Horovod v{horovod.__version__}:\n\nAvailable Frameworks:\n")
+    assert proc.stdout.endswith("    [X] Gloo    \n")
+    assert "Available Controllers:\n" in proc.stdout and "Available Tensor Operations:\n" in proc.stdout
+
+
+def test_version_and_errors():
+    proc = horovodrun("--version")
+    assert proc.returncode == 0 and proc.stdout.strip() == horovod.__version__
+    proc = horovodrun("-np", "1", "-H", "not_a_host_spec", "true")
+    assert proc.returncode != 0 and "Invalid host input" in proc.stderr
+    proc = horovodrun("-np", "1", "-H", "remote-host.invalid:1", "true")
+    assert proc.returncode != 0 and "not supported yet" in proc.stderr
+    proc = horovodrun("-np", "1", "--cache-capacity", "-2", "true")
+    assert proc.returncode != 0 and "cache_capacity=-2 must be >= 0" in proc.stderr
+
+
+def _rank_env():
+    return os.environ["HOROVOD_RANK"]
+
+
+def test_horovod_run():
+    assert horovod.run(lambda: os.environ["HOROVOD_RANK"], np=2) == ["0", "1"]
+
+    def add(a, b=0):
+        return int(os.environ["HOROVOD_RANK"]) + a + b
+
+    assert horovod.run(add, args=(10,), kwargs={"b": 100}, np=3) == [110, 111, 112]
+
+
+def test_horovod_run_error(capfd):
+    def boom():
+        if os.environ["HOROVOD_RANK"] == "1":
+            raise ValueError("deliberate")
+        return 1
+
+    with pytest.raises(RuntimeError, match=r"Process name: 1\nExit code: 1"):
+        horovod.run(boom, np=2)
+    assert "User function raise error: deliberate" in capfd.readouterr().err
+
+
+def test_horovod_run_argument_errors():
+    with pytest.raises(ValueError, match="Argument hosts and hostfile only allow one provided."):
+        horovod.run(_rank_env, hosts="a:1", hostfile="f")
+    with pytest.raises(ValueError, match="Argument use_gloo and use_mpi only allow one set True."):
+        horovod.run(_rank_env, use_gloo=True, use_mpi=True)

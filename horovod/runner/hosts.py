@@ -144,7 +144,7 @@ def _local_addresses() -> set[str]:
 
 def is_local_host(hostname: str, _local: Iterable[str] | None = None) -> bool:
     """Whether ``hostname`` names this machine (a loopback name, our hostname, or one of our addresses)."""
-    if hostname in ("localhost", "127.0.0.1", "::1", socket.gethostname(), socket.getfqdn()):
+    if hostname in ("localhost", "127.0.0.1", "::1") or hostname in (socket.gethostname(), socket.getfqdn()):
         return True
     local = set(_local) if _local is not None else _local_addresses()
     try:

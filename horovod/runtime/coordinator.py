@@ -19,8 +19,12 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from horovod.runtime.messages import Request, RequestType, Response
+import numpy as np
+
+from horovod.runtime.messages import DTYPES, Request, RequestType, Response
+from horovod.runtime.scaling import scale_inplace, scaled_copy
 from horovod.runtime.validation import build_response
+from horovod.transport.communicator import ReduceOp, apply_reduce
 
 __all__ = ["Coordinator"]
 
@@ -39,6 +43,7 @@ EVICTION_WARNING = (
 @dataclass
 class _Pending:
     requests: dict[int, Request] = field(default_factory=dict)
+    data: dict[int, np.ndarray] = field(default_factory=dict)  # inline tensors of small allreduces
     first_seen: float = 0.0
     cache_id: int = -1  # the id every hit so far referred to (-1: some rank sent a full request)
 
@@ -90,8 +95,9 @@ class Coordinator:
 
     # ------------------------------------------------------------------ input
     def submit(self, rank: int, ack: int, shutdown: str | None, requests: list[Request],
-               cached: list[tuple[int, int, int]]) -> None:
-        """Record one rank's batch (``cached`` = (set id, cache id, group id) hits)."""
+               cached: list[tuple[int, int, int, int]], blobs: list | None = None) -> None:
+        """Record one rank's batch (``cached`` = (set id, cache id, group id, blob index) hits; ``blobs`` the
+        bytes or arrays of inline tensors)."""
         self._acked[rank] = max(self._acked[rank], ack)
         if shutdown is not None and self.shutdown_reason is None:
             self.shutdown_reason = shutdown
@@ -110,8 +116,8 @@ class Coordinator:
             cid = state.cache_by_name.get(req.name)
             if cid is not None:
                 self._evict(state, cid)  # a full request for a cached name means its parameters changed
-            self._add(state, req.name, rank, req, -1, now)
-        for ps_id, cid, _group in cached:
+            self._add(state, req.name, rank, req, -1, now, blobs[req.inline] if req.inline >= 0 else None)
+        for ps_id, cid, _group, blob in cached:
             state = self.sets.get(ps_id)
             entry = None if state is None else state.cache.get(cid)
             if entry is not None:
@@ -122,11 +128,11 @@ class Coordinator:
                 log.error("rank %d referred to unknown cache entry %d of process set %d", rank, cid, ps_id)
                 self.shutdown_reason = f"protocol error: rank {rank} sent an unknown cache id"
                 continue
-            self._add(state, entry.name, rank, entry.requests[rank], cid, now)
+            self._add(state, entry.name, rank, entry.requests[rank], cid, now, blobs[blob] if blob >= 0 else None)
         if self._graveyard_pending():
             self._collect_graveyard()
 
-    def _add(self, state: _SetState, name: str, rank: int, req: Request, cid: int, now: float) -> None:
+    def _add(self, state: _SetState, name: str, rank: int, req: Request, cid: int, now: float, data) -> None:
         pending = state.pending.get(name)
         if pending is None:
             pending = state.pending[name] = _Pending(first_seen=now, cache_id=cid)
@@ -135,6 +141,8 @@ class Coordinator:
         elif pending.cache_id != cid:
             pending.cache_id = -1
         pending.requests[rank] = req
+        if data is not None:
+            pending.data[rank] = data
         if self.timeline is not None:
             self.timeline.negotiate_rank_ready(name, rank)
         self._check_ready(state, name, pending)
@@ -154,6 +162,7 @@ class Coordinator:
                                         cached.shapes, cached.root_rank, cached.reduce_op, cached.prescale,
                                         cached.postscale, cached.rank_dims, cached.splits,
                                         cache_ids=[-2]))  # -2: "already cached" (no re-insert)
+            self._reduce_inline(self._ready[-1], state, pending)
             return
         response = build_response(list(pending.requests.values()), state.ranks,
                                   self.joined if state.id == 0 else set())
@@ -164,7 +173,36 @@ class Coordinator:
         elif response.type in _CACHEABLE and self.cache_capacity > 0 and ".noname." not in name and \
                 len(pending.requests) == len(state.ranks):  # unnamed tensors never repeat a name
             response.cache_ids = [self._insert_cache(state, name, response, pending.requests)]
+        self._reduce_inline(response, state, pending)
         self._ready.append(response)
+
+    @staticmethod
+    def _reduce_inline(response: Response, state: _SetState, pending: _Pending) -> None:
+        """Reduce a small allreduce here when every contributor sent its bytes with the request: the result
+        travels back with the response, saving the data-plane round trip (dominant for small tensors)."""
+        if response.type != RequestType.ALLREDUCE or len(pending.data) != len(pending.requests):
+            return
+        dtype = DTYPES[response.dtype]
+        count = 1
+        for d in response.shapes[0]:
+            count *= d
+        op = ReduceOp.SUM if response.reduce_op == 0 else ReduceOp(response.reduce_op)
+        acc = None
+        for r in state.ranks:
+            d = pending.data.get(r)
+            x = np.zeros(count, dtype) if d is None else np.frombuffer(d, dtype, count)
+            if acc is None:
+                acc = np.empty(count, dtype)
+                scaled_copy(x, response.prescale, acc)
+            else:
+                if response.prescale != 1.0:
+                    scaled = np.empty(count, dtype)
+                    scaled_copy(x, response.prescale, scaled)
+                    x = scaled
+                apply_reduce(op, acc, x)
+        post = response.postscale / len(state.ranks) if response.reduce_op == 0 else response.postscale
+        scale_inplace(acc, post)
+        response.data = acc
 
     # ------------------------------------------------------------------ cache
     def _insert_cache(self, state: _SetState, name: str, response: Response,
@@ -268,14 +306,16 @@ class Coordinator:
             return ready
         result: list[Response] = []
         open_groups: dict[tuple, Response] = {}
+        group_bytes: dict[tuple, int] = {}
         for resp in ready:
-            if resp.type not in _FUSABLE:
+            if resp.type not in _FUSABLE or resp.data is not None:
                 result.append(resp)
                 continue
             key = (resp.type, resp.process_set_id, resp.dtype, resp.reduce_op, resp.prescale, resp.postscale)
             nbytes = resp.nbytes()
             group = open_groups.get(key)
-            if group is not None and group.nbytes() + nbytes <= self.fusion_threshold:
+            if group is not None and group_bytes[key] + nbytes <= self.fusion_threshold:
+                group_bytes[key] += nbytes
                 group.names.extend(resp.names)
                 group.shapes.extend(resp.shapes)
                 group.cache_ids.extend(resp.cache_ids or [-1])
@@ -284,6 +324,7 @@ class Coordinator:
                              resp.root_rank, resp.reduce_op, resp.prescale, resp.postscale,
                              cache_ids=list(resp.cache_ids or [-1]))
             open_groups[key] = fused
+            group_bytes[key] = nbytes
             result.append(fused)
         return result
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 import json
+import struct
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -87,6 +88,7 @@ class Request:
     group_id: int = -1
     splits: tuple[int, ...] = ()
     device: int = -1
+    inline: int = -1  # index of the tensor's bytes among the frame's blobs (small allreduces), -1 = none
     rank: int = -1  # global rank of the sender; filled in by the coordinator from the channel
 
     def signature(self) -> tuple:
@@ -96,15 +98,16 @@ class Request:
 
     def to_list(self) -> list:
         return [self.type, self.process_set_id, self.name, self.dtype, list(self.shape), self.root_rank,
-                self.reduce_op, self.prescale, self.postscale, self.group_id, list(self.splits), self.device]
+                self.reduce_op, self.prescale, self.postscale, self.group_id, list(self.splits), self.device,
+                self.inline]
 
     @classmethod
     def from_list(cls, item: list, rank: int) -> Request:
         try:
-            (rtype, ps, name, dtype, shape, root, op, pre, post, group, splits, device) = item
+            (rtype, ps, name, dtype, shape, root, op, pre, post, group, splits, device, inline) = item
             req = cls(int(rtype), int(ps), str(name), int(dtype), tuple(int(d) for d in shape), int(root),
                       int(op), float(pre), float(post), int(group), tuple(int(s) for s in splits),
-                      int(device), rank)
+                      int(device), int(inline), rank)
         except (TypeError, ValueError) as e:
             raise WireError(f"malformed request from rank {rank}: {e}") from None
         if not 0 <= req.dtype < len(DTYPES) or any(d < 0 for d in req.shape):
@@ -137,47 +140,88 @@ class Response:
     last_joined_rank: int = -1
     cache_ids: list[int] = field(default_factory=list)
     payload: list = field(default_factory=list)  # ADD/REMOVE_PROCESS_SET: [set id, ranks...]
+    inline: int = -1  # index of the result's bytes among the frame's blobs (reduced by the coordinator)
+    data: object = None  # the coordinator-reduced result (numpy array), not part of the JSON
 
     def nbytes(self) -> int:
-        itemsize = DTYPES[self.dtype].itemsize
-        return sum(int(np.prod(s, dtype=np.int64)) * itemsize for s in self.shapes)
+        total = 0
+        for shape in self.shapes:
+            n = 1
+            for d in shape:
+                n *= d
+            total += n
+        return total * DTYPES[self.dtype].itemsize
 
     def to_list(self) -> list:
         return [self.type, self.process_set_id, self.names, self.dtype, [list(s) for s in self.shapes],
                 self.root_rank, self.reduce_op, self.prescale, self.postscale, self.rank_dims, self.splits,
-                self.error, self.last_joined_rank, self.cache_ids, self.payload]
+                self.error, self.last_joined_rank, self.cache_ids, self.payload, self.inline]
 
     @classmethod
     def from_list(cls, item: list) -> Response:
         try:
             (rtype, ps, names, dtype, shapes, root, op, pre, post, rank_dims, splits, error, last_joined,
-             cache_ids, payload) = item
+             cache_ids, payload, inline) = item
             return cls(int(rtype), int(ps), [str(n) for n in names], int(dtype),
                        [tuple(int(d) for d in s) for s in shapes], int(root), int(op), float(pre),
                        float(post), [[int(d) for d in r] for r in rank_dims],
                        [[int(d) for d in r] for r in splits], str(error), int(last_joined),
-                       [int(c) for c in cache_ids], [int(p) for p in payload])
+                       [int(c) for c in cache_ids], [int(p) for p in payload], int(inline))
         except (TypeError, ValueError) as e:
             raise WireError(f"malformed response: {e}") from None
 
 
 _dumps = json.JSONEncoder(separators=(",", ":")).encode
+_HEADER = struct.Struct("<I")
+
+
+def _pack(obj: list, blobs: list) -> bytes:
+    """``u32 json length, json (with the blob lengths appended), blob bytes...``."""
+    obj.append([memoryview(b).nbytes for b in blobs])
+    head = _dumps(obj).encode()
+    return b"".join([_HEADER.pack(len(head)), head, *(memoryview(b).cast("B") for b in blobs)])
+
+
+def _unpack(data: bytes) -> tuple[list, list[memoryview]]:
+    if len(data) < _HEADER.size:
+        raise WireError("truncated frame")
+    (n,) = _HEADER.unpack_from(data)
+    end = _HEADER.size + n
+    if end > len(data):
+        raise WireError("truncated frame")
+    obj = json.loads(bytes(data[_HEADER.size:end]))
+    if not isinstance(obj, list) or not obj or not isinstance(obj[-1], list):
+        raise WireError("malformed frame")
+    lengths = obj.pop()
+    view = memoryview(data)
+    blobs = []
+    for length in lengths:
+        length = int(length)
+        if length < 0 or end + length > len(data):
+            raise WireError("truncated blob")
+        blobs.append(view[end:end + length])
+        end += length
+    return obj, blobs
 
 
 def encode_requests(ack: int, shutdown: str | None, requests: list[Request],
-                    cached: list[tuple[int, int, int]]) -> bytes:
-    """A worker's batch: its last seen response sequence, shutdown reason, full requests, and cache hits
-    as (process set id, cache id, group id)."""
-    return _dumps([ack, shutdown, [r.to_list() for r in requests], cached]).encode()
+                    cached: list[tuple[int, int, int, int]], blobs: list | None = None) -> bytes:
+    """A worker's batch: its last seen response sequence, shutdown reason, full requests, cache hits as
+    (process set id, cache id, group id, blob index), and the inline tensors' bytes."""
+    return _pack([ack, shutdown, [r.to_list() for r in requests], cached], blobs or [])
 
 
-def decode_requests(data: bytes, rank: int) -> tuple[int, str | None, list[Request], list[tuple[int, int, int]]]:
+def decode_requests(data: bytes, rank: int) -> tuple[int, str | None, list[Request],
+                                                    list[tuple[int, int, int, int]], list[memoryview]]:
     try:
-        ack, shutdown, reqs, cached = json.loads(data)
-        cached = [(int(ps), int(cid), int(g)) for ps, cid, g in cached]
+        (ack, shutdown, reqs, cached), blobs = _unpack(data)
+        cached = [(int(ps), int(cid), int(g), int(b)) for ps, cid, g, b in cached]
         if shutdown is not None:
             shutdown = str(shutdown)
-        return int(ack), shutdown, [Request.from_list(r, rank) for r in reqs], cached
+        requests = [Request.from_list(r, rank) for r in reqs]
+        if any(r.inline >= len(blobs) for r in requests) or any(c[3] >= len(blobs) for c in cached):
+            raise WireError(f"request batch from rank {rank} refers to a missing blob")
+        return int(ack), shutdown, requests, cached, blobs
     except WireError:
         raise
     except (TypeError, ValueError) as e:
@@ -186,14 +230,25 @@ def decode_requests(data: bytes, rank: int) -> tuple[int, str | None, list[Reque
 
 def encode_responses(seq: int, responses: list[Response], shutdown: str | None,
                      evicted: list[tuple[int, int]]) -> bytes:
-    return _dumps([seq, [r.to_list() for r in responses], shutdown, evicted]).encode()
+    blobs = []
+    for r in responses:
+        if r.data is not None:
+            r.inline = len(blobs)
+            blobs.append(r.data)
+    return _pack([seq, [r.to_list() for r in responses], shutdown, evicted], blobs)
 
 
 def decode_responses(data: bytes) -> tuple[int, list[Response], str | None, list[tuple[int, int]]]:
     try:
-        seq, responses, shutdown, evicted = json.loads(data)
-        return (int(seq), [Response.from_list(r) for r in responses],
-                None if shutdown is None else str(shutdown), [(int(p), int(c)) for p, c in evicted])
+        (seq, responses, shutdown, evicted), blobs = _unpack(data)
+        responses = [Response.from_list(r) for r in responses]
+        for r in responses:
+            if r.inline >= 0:
+                if r.inline >= len(blobs):
+                    raise WireError("response refers to a missing blob")
+                r.data = blobs[r.inline]
+        return (int(seq), responses, None if shutdown is None else str(shutdown),
+                [(int(p), int(c)) for p, c in evicted])
     except WireError:
         raise
     except (TypeError, ValueError) as e:

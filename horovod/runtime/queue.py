@@ -21,18 +21,21 @@ __all__ = ["Handle", "TensorEntry", "TensorQueue"]
 class Handle:
     """The future of one enqueued tensor; ``wait()`` returns its result or raises its error."""
 
-    __slots__ = ("_event", "_result", "_error", "name")
+    __slots__ = ("_event", "_result", "_error", "name", "_queue")
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, queue: TensorQueue | None = None) -> None:
         self._event = threading.Event()
         self._result: Any = None
         self._error: BaseException | None = None
         self.name = name
+        self._queue = queue
 
     def done(self) -> bool:
         return self._event.is_set()
 
     def wait(self, timeout: float | None = None) -> Any:
+        if not self._event.is_set() and self._queue is not None:
+            self._queue.caller_blocking()
         if not self._event.wait(timeout):
             raise TimeoutError(f"collective {self.name!r} did not complete within {timeout} s")
         if self._error is not None:
@@ -53,11 +56,12 @@ class TensorEntry:
 
     __slots__ = ("request", "tensor", "output", "handle")
 
-    def __init__(self, request: Request, tensor: np.ndarray | None, output: np.ndarray | None) -> None:
+    def __init__(self, request: Request, tensor: np.ndarray | None, output: np.ndarray | None,
+                 queue: TensorQueue | None = None) -> None:
         self.request = request
         self.tensor = tensor
         self.output = output
-        self.handle = Handle(request.name)
+        self.handle = Handle(request.name, queue)
 
 
 class TensorQueue:
@@ -65,6 +69,8 @@ class TensorQueue:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        self._caller_blocked = threading.Condition(self._lock)
+        self._go = False
         self._new: list[TensorEntry] = []
         self._in_flight: dict[tuple[int, str], TensorEntry] = {}
         self._wake_r, self._wake_w = os.pipe()
@@ -98,6 +104,21 @@ class TensorQueue:
             os.write(self._wake_w, b"\0")
         except OSError:  # closed: the engine has exited and fails whatever is left
             pass
+
+    def caller_blocking(self) -> None:
+        """A framework thread is about to wait for a result: end the engine's gather window now."""
+        with self._lock:
+            self._go = True
+            self._caller_blocked.notify()
+
+    def gather_window(self, timeout: float) -> None:
+        """Called by the engine right after it was woken: give the enqueuing thread the GIL for up to
+        ``timeout`` seconds so that tensors enqueued back to back leave in one batch (and fuse), but stop as
+        soon as that thread blocks on a result, so a lone tensor does not wait."""
+        with self._lock:
+            if not self._go and timeout > 0:
+                self._caller_blocked.wait_for(lambda: self._go, timeout)
+            self._go = False
 
     def wake(self) -> None:
         with self._lock:

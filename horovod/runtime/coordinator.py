@@ -350,7 +350,7 @@ class Coordinator:
                 for r in state.ranks:
                     if r not in pending.requests and r not in self.joined:
                         missing[r].append(name)
-                        if self.stall_shutdown > 0 and waited >= self.stall_shutdown:
+                        if self.stall_warning <= self.stall_shutdown <= waited:
                             overdue.add(r)
         if not missing:
             return None
@@ -365,10 +365,9 @@ class Coordinator:
             names = missing[r][:6]
             more = " ..." if len(missing[r]) > 6 else ""
             lines.append(f"{r}{'!' if r in overdue else ''}: [{', '.join(names)}]{more}")
-        if self.stall_shutdown > 0 and self.stall_shutdown < self.stall_warning:
+        if 0 < self.stall_shutdown < self.stall_warning:
             log.warning("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS is less than HOROVOD_STALL_CHECK_TIME_SECONDS, "
                         "will not shutdown.")
-            overdue.clear()
         if overdue:
             lines.append(f'One or more rank (marked by "!") is stalled for longer than '
                          f"{int(self.stall_shutdown)} seconds. Will shutdown.")

@@ -35,6 +35,9 @@ class RequestType(enum.IntEnum):
     ERROR = 30
 
 
+_REQUEST_TYPES = {t.value for t in RequestType if t != RequestType.ERROR}
+_RESPONSE_TYPES = {t.value for t in RequestType}
+
 OP_DISPLAY = {  # names used in upstream's error texts ("One rank did an ALLREDUCE")
     RequestType.ALLREDUCE: "ALLREDUCE", RequestType.ALLGATHER: "ALLGATHER",
     RequestType.BROADCAST: "BROADCAST", RequestType.JOIN: "JOIN", RequestType.ADASUM: "ADASUM",
@@ -88,8 +91,8 @@ class Request:
     group_id: int = -1
     splits: tuple[int, ...] = ()
     device: int = -1
-    inline: int = -1  # index of the tensor's bytes among the frame's blobs (small allreduces), -1 = none
     rank: int = -1  # global rank of the sender; filled in by the coordinator from the channel
+    inline: int = -1  # index of the tensor's bytes among the frame's blobs (small allreduces), -1 = none
 
     def signature(self) -> tuple:
         """Everything that must match for a cached response to be reused."""
@@ -107,11 +110,11 @@ class Request:
             (rtype, ps, name, dtype, shape, root, op, pre, post, group, splits, device, inline) = item
             req = cls(int(rtype), int(ps), str(name), int(dtype), tuple(int(d) for d in shape), int(root),
                       int(op), float(pre), float(post), int(group), tuple(int(s) for s in splits),
-                      int(device), int(inline), rank)
-        except (TypeError, ValueError) as e:
+                      int(device), rank, int(inline))
+        except (TypeError, ValueError, OverflowError, RecursionError) as e:
             raise WireError(f"malformed request from rank {rank}: {e}") from None
-        if not 0 <= req.dtype < len(DTYPES) or any(d < 0 for d in req.shape):
-            raise WireError(f"malformed request from rank {rank}: bad dtype or shape")
+        if not 0 <= req.dtype < len(DTYPES) or any(d < 0 for d in req.shape) or req.type not in _REQUEST_TYPES:
+            raise WireError(f"malformed request from rank {rank}: bad type, dtype or shape")
         return req
 
 
@@ -162,13 +165,17 @@ class Response:
         try:
             (rtype, ps, names, dtype, shapes, root, op, pre, post, rank_dims, splits, error, last_joined,
              cache_ids, payload, inline) = item
-            return cls(int(rtype), int(ps), [str(n) for n in names], int(dtype),
+            response = cls(int(rtype), int(ps), [str(n) for n in names], int(dtype),
                        [tuple(int(d) for d in s) for s in shapes], int(root), int(op), float(pre),
                        float(post), [[int(d) for d in r] for r in rank_dims],
                        [[int(d) for d in r] for r in splits], str(error), int(last_joined),
                        [int(c) for c in cache_ids], [int(p) for p in payload], int(inline))
-        except (TypeError, ValueError) as e:
+        except (TypeError, ValueError, OverflowError, RecursionError) as e:
             raise WireError(f"malformed response: {e}") from None
+        if response.type not in _RESPONSE_TYPES or not 0 <= response.dtype < len(DTYPES) or any(
+                d < 0 for shape in response.shapes for d in shape):
+            raise WireError("malformed response: bad type, dtype or shape")
+        return response
 
 
 _dumps = json.JSONEncoder(separators=(",", ":")).encode
@@ -189,7 +196,10 @@ def _unpack(data: bytes) -> tuple[list, list[memoryview]]:
     end = _HEADER.size + n
     if end > len(data):
         raise WireError("truncated frame")
-    obj = json.loads(bytes(data[_HEADER.size:end]))
+    try:
+        obj = json.loads(bytes(data[_HEADER.size:end]))
+    except (ValueError, RecursionError) as e:
+        raise WireError(f"malformed frame: {e}") from None
     if not isinstance(obj, list) or not obj or not isinstance(obj[-1], list):
         raise WireError("malformed frame")
     lengths = obj.pop()
@@ -224,7 +234,7 @@ def decode_requests(data: bytes, rank: int) -> tuple[int, str | None, list[Reque
         return int(ack), shutdown, requests, cached, blobs
     except WireError:
         raise
-    except (TypeError, ValueError) as e:
+    except (TypeError, ValueError, OverflowError, RecursionError) as e:
         raise WireError(f"malformed request batch from rank {rank}: {e}") from None
 
 
@@ -251,5 +261,5 @@ def decode_responses(data: bytes) -> tuple[int, list[Response], str | None, list
                 [(int(p), int(c)) for p, c in evicted])
     except WireError:
         raise
-    except (TypeError, ValueError) as e:
+    except (TypeError, ValueError, OverflowError, RecursionError) as e:
         raise WireError(f"malformed response batch: {e}") from None

@@ -63,14 +63,14 @@ def build_response(requests: list[Request], member_ranks: list[int], joined: set
                 return _error(first, names, f"Mismatched reduction operation: One rank sent reduction op "
                                             f"{first.reduce_op}, but another rank sent reduction op "
                                             f"{req.reduce_op}.")
-    for req in requests[1:]:
-        if req.device != first.device:
-            return _error(first, names, f"Mismatched {OP_DISPLAY[rtype]} CPU/GPU device selection: One rank "
-                                        f"specified device {_device(first.device)}, but another rank "
-                                        f"specified device {_device(req.device)}.")
     joined_here = bool(joined.intersection(member_ranks))
     if rtype in (RequestType.ALLGATHER, RequestType.ALLTOALL):
-        return _gather_like(requests, member_ranks, joined_here)
+        response = _gather_like(requests, member_ranks, joined_here)
+        if response.type != RequestType.ERROR:
+            device_error = _check_devices(requests, names)
+            if device_error.type == RequestType.ERROR:
+                return device_error
+        return response
     if rtype == RequestType.REDUCESCATTER:
         if joined_here:
             return _error(first, names, "Reducescatter is not supported with Join at this time.")
@@ -91,10 +91,24 @@ def build_response(requests: list[Request], member_ranks: list[int], joined: set
             if req.splits != first.splits:
                 return _error(first, names, f"Mismatched process set arguments: One rank sent "
                                             f"{list(first.splits)}, but another rank sent {list(req.splits)}.")
+    device_error = _check_devices(requests, names)
+    if device_error.type == RequestType.ERROR:
+        return device_error
     payload = list(first.splits) if rtype in (RequestType.ADD_PROCESS_SET, RequestType.REMOVE_PROCESS_SET) \
         else []
     return Response(rtype, first.process_set_id, names, first.dtype, [first.shape], first.root_rank,
                     first.reduce_op, first.prescale, first.postscale, payload=payload)
+
+
+def _check_devices(requests: list[Request], names: list[str]) -> Response:
+    """Upstream checks CPU/GPU agreement last; returns an ERROR response or a blank ALLREDUCE marker."""
+    first = requests[0]
+    for req in requests[1:]:
+        if req.device != first.device:
+            return _error(first, names, f"Mismatched {OP_DISPLAY[first.type]} CPU/GPU device selection: One "
+                                        f"rank specified device {_device(first.device)}, but another rank "
+                                        f"specified device {_device(req.device)}.")
+    return Response(RequestType.ALLREDUCE, first.process_set_id, names)
 
 
 def _device(device: int) -> str:

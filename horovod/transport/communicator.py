@@ -18,7 +18,7 @@ import enum
 
 import numpy as np
 
-__all__ = ["ReduceOp", "Communicator", "PeerFailure", "apply_reduce"]
+__all__ = ["ReduceOp", "Communicator", "PeerFailure", "apply_reduce", "reduce_into"]
 
 
 class ReduceOp(enum.IntEnum):
@@ -40,6 +40,12 @@ def apply_reduce(op: ReduceOp, acc: np.ndarray, other: np.ndarray) -> None:
     """``acc = acc <op> other`` in place, with numpy's dtype rules (bool: or/and)."""
     table = _BOOL_UFUNCS if acc.dtype == np.bool_ else _UFUNCS
     table[op](acc, other, out=acc)
+
+
+def reduce_into(op: ReduceOp, a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
+    """``out = a <op> b`` without first copying ``a`` into ``out`` (``out`` may be ``a`` or ``b``)."""
+    table = _BOOL_UFUNCS if a.dtype == np.bool_ else _UFUNCS
+    table[op](a, b, out=out)
 
 
 class PeerFailure(ConnectionError):
@@ -69,7 +75,7 @@ class Communicator(abc.ABC):
 
     @abc.abstractmethod
     def allgatherv(self, inp: np.ndarray, out: np.ndarray, counts: list[int]) -> None:
-        """``out`` = concatenation of every member's ``inp`` in group order; ``counts[i]`` = len of member i."""
+        """``out`` = every member's ``inp`` concatenated in group order; ``counts[i]`` = len of member i."""
 
     @abc.abstractmethod
     def broadcast(self, buf: np.ndarray, root: int) -> None:
@@ -83,11 +89,11 @@ class Communicator(abc.ABC):
 
     @abc.abstractmethod
     def reducescatterv(self, inp: np.ndarray, out: np.ndarray, counts: list[int], op: ReduceOp) -> None:
-        """Reduce ``inp`` (len ``sum(counts)``) across members; member i receives block i (len ``counts[i]``)."""
+        """Reduce ``inp`` (len ``sum(counts)``) across members; member i gets block i (len ``counts[i]``)."""
 
     @abc.abstractmethod
     def barrier(self) -> None:
         """Return once every member has entered the barrier."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional hook, most communicators hold nothing
         """Release segments and buffers (connections belong to the mesh)."""

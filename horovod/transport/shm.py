@@ -1,0 +1,285 @@
+"""Collectives among ranks on one host through shared memory.
+
+Each member owns one segment: an anonymous ``memfd_create`` file, mmapped, whose descriptor is passed to
+the other members over the AF_UNIX data channels (``SCM_RIGHTS``) and closed right after mapping — so no
+name exists anywhere (nothing in ``/dev/shm``) and the kernel frees the memory when the last member exits,
+even after ``SIGKILL``.
+
+A segment holds two *slots* of ``piece_bytes`` (double buffering); a slot has one *region* per member.
+Large buffers are processed in pieces, so memory stays bounded and every piece is still in cache when it
+is reduced and copied.  Members signal each other with one-byte tokens over the AF_UNIX data channels
+(the kernel wakes the waiter: no spinning).  Allreduce, per piece ``k`` (member ``r`` owns region ``r``)::
+
+    copy_in(k+1): my input parts the others own -> my slot (k+1)%2, their regions
+    reduce(k):    my part = all members' inputs of it, in member order -> my slot k%2, region r; -> out
+    signal;  copy_out(k): the others' reduced parts from their slots k%2 -> out
+
+One token round per piece suffices: a slot is rewritten two rounds after it was read, and every reader
+finished reading it before sending the token in between.  The slot parity carries over from one
+collective to the next for the same reason.  Each part is reduced by exactly one member in member order,
+so every member gets bit-identical results.  Small buffers (``<= small_bytes``) and alltoallv go over the
+AF_UNIX sockets (:class:`~horovod.transport.tcp.TcpCommunicator`), which is faster for them.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+from typing import Any
+
+import numpy as np
+
+from horovod.common.config import RuntimeConfig
+from horovod.common.exceptions import WireError
+from horovod.transport.buffers import copy_into, offsets, place
+from horovod.transport.communicator import Communicator, PeerFailure, ReduceOp, reduce_into
+from horovod.transport.mesh import Mesh
+from horovod.transport.tcp import TcpCommunicator
+
+__all__ = ["ShmCommunicator", "PIECE_BYTES", "SMALL_BYTES"]
+
+logger = logging.getLogger(__name__)
+
+PIECE_BYTES = 1024 * 1024
+SMALL_BYTES = 64 * 1024
+_FD_FRAME = 0x51
+_TOKEN = b"\x01"
+_ALIGN = 64
+
+
+class ShmCommunicator(Communicator):
+    """Collectives among members of one host over shared segments.
+
+    Args:
+        piece_bytes: bytes of one slot (the unit of pipelining); segments are ``2 * piece_bytes``.
+        small_bytes: allreduce/allgather/broadcast at or below this go over the sockets.
+    Raises:
+        ValueError: a member is not connected over AF_UNIX (another host, or shm disabled in the mesh).
+    """
+
+    def __init__(self, mesh: Mesh, ranks: list[int], config: RuntimeConfig, *,
+                 piece_bytes: int = PIECE_BYTES, small_bytes: int = SMALL_BYTES) -> None:
+        self.sockets = TcpCommunicator(mesh, ranks, config)
+        self.ranks, self.rank, self.size = self.sockets.ranks, self.sockets.rank, self.sockets.size
+        self.peers = self.sockets.peers
+        for i, ch in self.peers.items():
+            if not ch.is_unix:
+                raise ValueError(f"rank {self.ranks[i]} is not connected over AF_UNIX; shared memory needs "
+                                 "every member on this host and a mesh built with shm enabled")
+        self.small_bytes = small_bytes
+        self.region_bytes = max(_ALIGN, piece_bytes // self.size // _ALIGN * _ALIGN)
+        self.slot_bytes = self.region_bytes * self.size
+        self._segs: list[np.ndarray] | None = None
+        self._maps: list[mmap.mmap] = []
+        self._parity = 0
+        self._tok = bytearray(1)
+
+    # -- setup ---------------------------------------------------------------------------------------
+    def _setup(self) -> list[np.ndarray]:
+        """Create my segment, pass its descriptor to every member and map theirs (a collective)."""
+        size = 2 * self.slot_bytes
+        fd = os.memfd_create(f"horovod-shm-{self.ranks[self.rank]}", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, size)
+            maps: dict[int, mmap.mmap] = {self.rank: mmap.mmap(fd, size)}
+            for ch in self.peers.values():
+                ch.send_fd(_FD_FRAME, fd, size.to_bytes(8, "little"))
+        finally:
+            os.close(fd)
+        for i, ch in self.peers.items():
+            peer_fd, payload = ch.recv_fd(_FD_FRAME)
+            try:
+                if int.from_bytes(payload, "little") != size or os.fstat(peer_fd).st_size != size:
+                    raise WireError(f"rank {ch.peer} sent a segment of the wrong size")
+                maps[i] = mmap.mmap(peer_fd, size)
+            finally:
+                os.close(peer_fd)
+        self._maps = [maps[i] for i in range(self.size)]
+        self._segs = [np.frombuffer(m, np.uint8) for m in self._maps]
+        return self._segs
+
+    def _region(self, member: int, slot: int, region: int, dtype: np.dtype, count: int) -> np.ndarray:
+        segs = self._segs
+        assert segs is not None
+        start = slot * self.slot_bytes + region * self.region_bytes
+        return segs[member][start:start + count * dtype.itemsize].view(dtype)
+
+    def _ready(self) -> None:
+        """Map the segments on first use; every member calls this at the start of every shm collective."""
+        if self._segs is None:
+            self._setup()
+
+    def _signal(self) -> None:
+        """Send a token to every member, then wait for one from each (kernel wake-ups, no spinning)."""
+        for ch in self.peers.values():
+            try:
+                ch.sock.sendall(_TOKEN)
+            except OSError as e:
+                raise ch._fail(e, "signalling") from e
+        tok = self._tok
+        for ch in self.peers.values():
+            try:
+                k = ch.sock.recv_into(tok, 1)
+            except OSError as e:
+                raise ch._fail(e, "waiting for a shared-memory signal") from e
+            if k != 1:
+                raise ch._fail(None, "waiting for a shared-memory signal")
+            if tok[0] != 1:
+                raise PeerFailure(ch.peer, f"sent {bytes(tok)!r} instead of a shared-memory signal")
+
+    def close(self) -> None:
+        self._segs = None
+        for m in self._maps:
+            try:
+                m.close()
+            except BufferError:  # an array still views it; the mapping goes with the process
+                pass
+        self._maps = []
+
+    # -- allreduce -----------------------------------------------------------------------------------
+    def allreduce(self, inp: np.ndarray, out: np.ndarray, op: ReduceOp) -> None:
+        if self.size == 1 or inp.nbytes <= self.small_bytes:
+            self.sockets.allreduce(inp, out, op)
+            return
+        self._ready()
+        dtype, size, me = inp.dtype, self.size, self.rank
+        region = self.region_bytes // dtype.itemsize
+        piece = region * size
+        total = inp.size
+        npieces = -(-total // piece)
+        base_slot = self._parity
+
+        def part(k: int, i: int) -> tuple[int, int]:
+            lo = k * piece + i * region
+            return lo, min(lo + region, total)
+
+        def copy_in(k: int) -> None:
+            slot = (base_slot + k) & 1
+            for i in range(size):
+                if i != me:
+                    lo, hi = part(k, i)
+                    if hi > lo:
+                        copy_into(self._region(me, slot, i, dtype, hi - lo), inp[lo:hi])
+
+        copy_in(0)
+        self._signal()
+        for k in range(npieces):
+            slot = (base_slot + k) & 1
+            lo, hi = part(k, me)
+            if hi > lo:
+                n = hi - lo
+                dst = self._region(me, slot, me, dtype, n)
+                srcs = [inp[lo:hi] if i == me else self._region(i, slot, me, dtype, n) for i in range(size)]
+                reduce_into(op, srcs[0], srcs[1], dst)
+                for src in srcs[2:]:
+                    reduce_into(op, dst, src, dst)
+                copy_into(out[lo:hi], dst)
+            if k + 1 < npieces:
+                copy_in(k + 1)
+            self._signal()
+            for i in range(size):
+                if i != me:
+                    plo, phi = part(k, i)
+                    if phi > plo:
+                        copy_into(out[plo:phi], self._region(i, slot, i, dtype, phi - plo))
+        self._parity = (base_slot + npieces) & 1
+
+    # -- publish/consume rounds (allgatherv, broadcast) ----------------------------------------------
+    def _rounds(self, nrounds: int, copy_in: Any, consume: Any) -> None:
+        """``copy_in(k, slot)`` into my slot, token round, ``consume(k, slot)`` from the others' slots."""
+        self._ready()
+        base = self._parity
+        copy_in(0, base & 1)
+        self._signal()
+        for k in range(nrounds):
+            consume(k, (base + k) & 1)
+            if k + 1 < nrounds:
+                copy_in(k + 1, (base + k + 1) & 1)
+                self._signal()
+        self._parity = (base + nrounds) & 1
+
+    def allgatherv(self, inp: np.ndarray, out: np.ndarray, counts: list[int]) -> None:
+        if self.size == 1 or out.nbytes <= self.small_bytes:
+            self.sockets.allgatherv(inp, out, counts)
+            return
+        dtype, me = out.dtype, self.rank
+        offs = offsets(counts)
+        chunk = self.slot_bytes // dtype.itemsize  # a member's whole slot per round
+        nrounds = -(-max(counts) // chunk)
+        place(out[offs[me]:offs[me + 1]], inp)
+
+        def copy_in(k: int, slot: int) -> None:
+            lo, hi = k * chunk, min((k + 1) * chunk, counts[me])
+            if hi > lo:
+                copy_into(self._slot(me, slot, dtype, hi - lo), inp[lo:hi])
+
+        def consume(k: int, slot: int) -> None:
+            for i in range(self.size):
+                lo, hi = k * chunk, min((k + 1) * chunk, counts[i])
+                if i != me and hi > lo:
+                    copy_into(out[offs[i] + lo:offs[i] + hi], self._slot(i, slot, dtype, hi - lo))
+
+        self._rounds(nrounds, copy_in, consume)
+
+    def _slot(self, member: int, slot: int, dtype: np.dtype, count: int) -> np.ndarray:
+        return self._region(member, slot, 0, dtype, count)
+
+    def broadcast(self, buf: np.ndarray, root: int) -> None:
+        if self.size == 1 or buf.nbytes <= self.small_bytes:
+            self.sockets.broadcast(buf, root)
+            return
+        dtype, me = buf.dtype, self.rank
+        chunk = self.slot_bytes // dtype.itemsize
+        nrounds = -(-buf.size // chunk)
+
+        def copy_in(k: int, slot: int) -> None:
+            if me == root:
+                lo, hi = k * chunk, min((k + 1) * chunk, buf.size)
+                copy_into(self._slot(me, slot, dtype, hi - lo), buf[lo:hi])
+
+        def consume(k: int, slot: int) -> None:
+            if me != root:
+                lo, hi = k * chunk, min((k + 1) * chunk, buf.size)
+                copy_into(buf[lo:hi], self._slot(root, slot, dtype, hi - lo))
+
+        self._rounds(nrounds, copy_in, consume)
+
+    def reducescatterv(self, inp: np.ndarray, out: np.ndarray, counts: list[int], op: ReduceOp) -> None:
+        if self.size == 1 or inp.nbytes <= self.small_bytes:
+            self.sockets.reducescatterv(inp, out, counts, op)
+            return
+        dtype, me, size = inp.dtype, self.rank, self.size
+        offs = offsets(counts)
+        region = self.region_bytes // dtype.itemsize
+        nrounds = -(-max(counts) // region)
+        if counts[me] and np.shares_memory(out, inp):
+            inp = inp.copy()
+
+        def copy_in(k: int, slot: int) -> None:
+            for i in range(size):
+                lo, hi = k * region, min((k + 1) * region, counts[i])
+                if i != me and hi > lo:
+                    copy_into(self._region(me, slot, i, dtype, hi - lo), inp[offs[i] + lo:offs[i] + hi])
+
+        def consume(k: int, slot: int) -> None:
+            lo, hi = k * region, min((k + 1) * region, counts[me])
+            if hi <= lo:
+                return
+            n = hi - lo
+            srcs = [inp[offs[me] + lo:offs[me] + hi] if i == me else self._region(i, slot, me, dtype, n)
+                    for i in range(size)]
+            dst = out[lo:hi]
+            reduce_into(op, srcs[0], srcs[1], dst)
+            for src in srcs[2:]:
+                reduce_into(op, dst, src, dst)
+
+        self._rounds(nrounds, copy_in, consume)
+
+    # -- the rest over the sockets ---------------------------------------------------------------------
+    def alltoallv(self, inp: np.ndarray, send_counts: list[int], out: np.ndarray,
+                  recv_counts: list[int]) -> None:
+        self.sockets.alltoallv(inp, send_counts, out, recv_counts)
+
+    def barrier(self) -> None:
+        self.sockets.barrier()

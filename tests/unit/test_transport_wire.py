@@ -1,0 +1,169 @@
+"""Channel framing, failures and the non-blocking exchange, on socket pairs inside one process."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import socket
+import struct
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from horovod.common.exceptions import WireError
+from horovod.transport.communicator import PeerFailure
+from horovod.transport.wire import HEADER, MAX_FRAME, Channel, Transfer, TruncatedFrame, exchange
+
+
+@pytest.fixture(params=["unix", "tcp"])
+def pair(request):
+    if request.param == "unix":
+        a, b = socket.socketpair()
+    else:
+        lst = socket.create_server(("127.0.0.1", 0))
+        a = socket.create_connection(lst.getsockname())
+        b, _ = lst.accept()
+        lst.close()
+    ca, cb = Channel(a, 1, 5.0), Channel(b, 0, 5.0)
+    yield ca, cb
+    ca.close()
+    cb.close()
+
+
+def test_frames_roundtrip(pair):
+    a, b = pair
+    for kind, payload in [(0, b""), (7, b"x"), (255, os.urandom(70_000)), (3, bytearray(b"abc"))]:
+        a.send_msg(kind, payload)
+        assert b.recv_msg() == (kind, bytes(payload))
+    a.send_msg(9, memoryview(b"view"))
+    assert b.recv_msg() == (9, b"view")
+
+
+def test_buffers_roundtrip_all_dtypes(pair):
+    a, b = pair
+    dtypes = [np.uint8, np.int8, np.uint16, np.int16, np.int32, np.int64, np.float16, np.float32,
+              np.float64, np.bool_]
+    try:
+        import ml_dtypes
+
+        dtypes.append(ml_dtypes.bfloat16)
+    except ImportError:  # pragma: no cover
+        pass
+    for dt in dtypes:
+        x = (np.arange(1001) % 3).astype(dt)
+        y = np.zeros_like(x)
+        t = threading.Thread(target=a.send_buffer, args=(x,))
+        t.start()
+        b.recv_buffer_into(y)
+        t.join()
+        assert x.tobytes() == y.tobytes()
+
+
+@pytest.mark.parametrize("header", [
+    b"XX" + bytes([1, 0]) + struct.pack("!I", 0),          # bad magic
+    b"HV" + bytes([9, 0]) + struct.pack("!I", 0),          # bad version
+    b"HV" + bytes([1, 0]) + struct.pack("!I", MAX_FRAME + 1),  # oversized
+])
+def test_malformed_frames_are_wire_errors(pair, header):
+    a, b = pair
+    a.sock.sendall(header)
+    with pytest.raises(WireError):
+        b.recv_msg()
+
+
+def test_truncated_frame(pair):
+    a, b = pair
+    a.sock.sendall(HEADER.pack(b"HV", 1, 2, 100) + b"only part")
+    a.sock.shutdown(socket.SHUT_WR)
+    with pytest.raises(WireError) as info:
+        b.recv_msg()
+    assert isinstance(info.value, TruncatedFrame) and isinstance(info.value, PeerFailure)
+
+
+def test_truncated_header(pair):
+    a, b = pair
+    a.sock.sendall(b"HV\x01")
+    a.sock.shutdown(socket.SHUT_WR)
+    with pytest.raises(WireError):
+        b.recv_msg()
+
+
+def test_eof_is_peer_failure(pair):
+    a, b = pair
+    a.close()
+    with pytest.raises(PeerFailure) as info:
+        b.recv_msg()
+    assert info.value.peer == b.peer
+    assert "closed" in str(info.value)
+
+
+def test_timeout_names_peer(pair):
+    a, b = pair
+    b.settimeout(0.2)
+    t0 = time.monotonic()
+    with pytest.raises(PeerFailure) as info:
+        b.recv_buffer_into(np.zeros(10, np.uint8))
+    assert time.monotonic() - t0 < 2.0
+    assert info.value.peer == b.peer and "timed out" in info.value.reason
+
+
+def test_exchange_large_both_ways_does_not_deadlock(pair):
+    a, b = pair
+    n = 16 * 1024 * 1024  # far beyond any socket buffer
+    xa, xb = np.full(n, 1, np.uint8), np.full(n, 2, np.uint8)
+    ya, yb = np.zeros(n, np.uint8), np.zeros(n, np.uint8)
+    t = threading.Thread(target=exchange, args=([Transfer(b, xb)], [Transfer(b, yb)], 10.0))
+    t.start()
+    exchange([Transfer(a, xa)], [Transfer(a, ya)], 10.0)
+    t.join()
+    assert (ya == 2).all() and (yb == 1).all()
+
+
+def test_exchange_progress_and_limit(pair):
+    a, b = pair
+    n = 4 * 1024 * 1024
+    x = np.arange(n, dtype=np.uint8)
+    y = np.zeros(n, np.uint8)
+    seen = []
+    t = threading.Thread(target=a.send_buffer, args=(x,))
+    t.start()
+    exchange([], [Transfer(b, y, seen.append)], 10.0)
+    t.join()
+    assert seen and seen[-1] == n and seen == sorted(seen)
+    assert (x == y).all()
+
+
+def test_exchange_eof(pair):
+    a, b = pair
+    a.close()
+    with pytest.raises(PeerFailure):
+        exchange([], [Transfer(b, np.zeros(100, np.uint8))], 5.0)
+
+
+def test_exchange_timeout(pair):
+    a, b = pair
+    t0 = time.monotonic()
+    with pytest.raises(PeerFailure) as info:
+        exchange([], [Transfer(b, np.zeros(10, np.uint8), lambda _: None)], 0.2)
+    assert time.monotonic() - t0 < 2.0 and "timed out" in info.value.reason
+
+
+def test_fd_passing():
+    a, b = socket.socketpair()
+    ca, cb = Channel(a, 1, 5.0), Channel(b, 0, 5.0)
+    fd = os.memfd_create("t", os.MFD_CLOEXEC)
+    os.ftruncate(fd, 4096)
+    ca.send_fd(0x51, fd, b"meta")
+    got, payload = cb.recv_fd(0x51)
+    assert payload == b"meta"
+    m1, m2 = mmap.mmap(fd, 4096), mmap.mmap(got, 4096)
+    m1[:5] = b"hello"
+    assert m2[:5] == b"hello"
+    for x in (m1, m2):
+        x.close()
+    os.close(fd)
+    os.close(got)
+    ca.close()
+    cb.close()

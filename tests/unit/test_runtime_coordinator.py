@@ -1,0 +1,526 @@
+"""The coordinator without processes: readiness, process sets, join, fusion, response cache, stall inspector."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+
+import numpy as np
+import pytest
+
+from horovod.runtime.coordinator import EVICTION_WARNING, Coordinator
+from horovod.runtime.messages import Request, RequestType, dtype_code
+
+F32 = dtype_code(np.float32)
+F64 = dtype_code(np.float64)
+I32 = dtype_code(np.int32)
+
+
+def make(size=2, sets=None, capacity=1024, threshold=1 << 20, **kw):
+    sets = sets if sets is not None else {0: list(range(size))}
+    return Coordinator(size, sets, cache_capacity=capacity, fusion_threshold=threshold, **kw)
+
+
+def ar(name, shape=(4,), dtype=F32, ps=0, op=1, pre=1.0, post=1.0):
+    return Request(RequestType.ALLREDUCE, ps, name, dtype, tuple(shape), -1, op, pre, post)
+
+
+def ag(name, rows, ps=0):
+    return Request(RequestType.ALLGATHER, ps, name, F32, (rows, 2))
+
+
+def bc(name, root=0, ps=0):
+    return Request(RequestType.BROADCAST, ps, name, F32, (3,), root)
+
+
+def join_req():
+    return Request(RequestType.JOIN, 0, "join.noname")
+
+
+def submit_all(c, requests_by_rank, ack=0):
+    """Each rank submits its own copies (the coordinator stamps the sender's rank into a request)."""
+    for rank, reqs in requests_by_rank.items():
+        reqs = reqs if isinstance(reqs, list) else [reqs]
+        c.submit(rank, ack, None, [dataclasses.replace(r) for r in reqs], [])
+
+
+def hit(ps, cid):
+    """One cache-hit entry of a worker's batch: (set id, cache id, group id, inline blob index)."""
+    return (ps, cid, -1, -1)
+
+
+def hits(c, ranks, ps, cid, ack=0):
+    for r in ranks:
+        c.submit(r, ack, None, [], [hit(ps, cid)])
+
+
+def responses(out, rank):
+    return out.get(rank, ([], []))[0]
+
+
+def names(out, rank):
+    return [tuple(r.names) for r in responses(out, rank)]
+
+
+# ------------------------------------------------------------------------------------------------ readiness
+def test_ready_only_when_every_rank_submitted():
+    c = make(size=3)
+    c.submit(0, 0, None, [ar("x")], [])
+    c.submit(2, 0, None, [ar("x")], [])
+    assert c.take_responses() == {}
+    c.submit(1, 0, None, [ar("x")], [])
+    out = c.take_responses()
+    assert set(out) == {0, 1, 2}
+    for r in range(3):
+        [resp] = responses(out, r)
+        assert resp.type == RequestType.ALLREDUCE and resp.names == ["x"] and resp.shapes == [(4,)]
+    assert c.take_responses() == {}
+
+
+def test_every_rank_gets_the_same_order():
+    c = make(size=2, threshold=0)
+    c.submit(0, 0, None, [ar("a"), ar("b"), bc("c")], [])
+    c.submit(1, 0, None, [bc("c"), ar("b"), ar("a")], [])
+    out = c.take_responses()
+    assert names(out, 0) == names(out, 1)
+    assert sorted(names(out, 0)) == [("a",), ("b",), ("c",)]
+
+
+def test_mismatch_becomes_error_for_every_member():
+    c = make(size=2)
+    c.submit(0, 0, None, [ar("x", dtype=F32)], [])
+    c.submit(1, 0, None, [ar("x", dtype=I32)], [])
+    out = c.take_responses()
+    for r in (0, 1):
+        [resp] = responses(out, r)
+        assert resp.type == RequestType.ERROR
+        assert resp.error == "Mismatched data types: One rank had type float32, but another rank had type int32."
+
+
+def test_process_set_membership():
+    c = make(size=3, sets={0: [0, 1, 2], 1: [0, 2], 2: [1]})
+    c.submit(0, 0, None, [ar("s1", ps=1)], [])
+    assert c.take_responses() == {}
+    c.submit(1, 0, None, [ar("s2", ps=2)], [])  # a one-member set is ready at once
+    out = c.take_responses()
+    assert set(out) == {1}
+    assert responses(out, 1)[0].process_set_id == 2
+    c.submit(2, 0, None, [ar("s1", ps=1)], [])
+    out = c.take_responses()
+    assert set(out) == {0, 2}
+    assert responses(out, 0)[0].process_set_id == 1
+
+
+def test_same_name_in_two_sets_is_two_tensors():
+    c = make(size=2, sets={0: [0, 1], 1: [0, 1]})
+    c.submit(0, 0, None, [ar("x", ps=0), ar("x", ps=1)], [])
+    c.submit(1, 0, None, [ar("x", ps=1)], [])
+    out = c.take_responses()
+    assert [(r.process_set_id, r.names) for r in responses(out, 1)] == [(1, ["x"])]
+    c.submit(1, 0, None, [ar("x", ps=0)], [])
+    out = c.take_responses()
+    assert [(r.process_set_id, r.names) for r in responses(out, 1)] == [(0, ["x"])]
+
+
+def test_unknown_process_set_errors_only_for_the_sender():
+    c = make(size=2)
+    c.submit(1, 0, None, [ar("x", ps=7)], [])
+    out = c.take_responses()
+    assert set(out) == {1}
+    [resp] = responses(out, 1)
+    assert resp.type == RequestType.ERROR
+    assert "Process set provided does not exist, or has not been registered." in resp.error
+
+
+def test_allgather_response_carries_each_ranks_rows():
+    c = make(size=3)
+    c.submit(1, 0, None, [ag("g", 5)], [])
+    c.submit(0, 0, None, [ag("g", 1)], [])
+    c.submit(2, 0, None, [ag("g", 0)], [])
+    out = c.take_responses()
+    assert responses(out, 2)[0].rank_dims == [[1, 5, 0]]
+
+
+def test_barrier_and_never_cached():
+    c = make(size=2)
+    for _ in range(2):
+        submit_all(c, {0: Request(RequestType.BARRIER, 0, "barrier.noname"),
+                       1: Request(RequestType.BARRIER, 0, "barrier.noname")})
+        out = c.take_responses()
+        [resp] = responses(out, 0)
+        assert resp.type == RequestType.BARRIER
+        assert resp.cache_ids in ([], [-1])
+
+
+# ------------------------------------------------------------------------------------------------ join
+def test_join_lowers_the_threshold_and_reports_last_joined_rank():
+    c = make(size=3)
+    c.submit(2, 0, None, [join_req()], [])
+    c.submit(0, 0, None, [ar("x")], [])
+    assert c.take_responses() == {}
+    c.submit(1, 0, None, [ar("x")], [])
+    out = c.take_responses()
+    assert set(out) == {0, 1, 2}  # the joined rank executes with zeros
+    assert responses(out, 2)[0].type == RequestType.ALLREDUCE
+    assert responses(out, 2)[0].shapes == [(4,)]
+    c.submit(0, 0, None, [join_req()], [])
+    assert c.take_responses() == {}
+    c.submit(1, 0, None, [join_req()], [])
+    out = c.take_responses()
+    assert set(out) == {0, 1, 2}
+    for r in range(3):
+        [resp] = responses(out, r)
+        assert resp.type == RequestType.JOIN
+        assert resp.last_joined_rank == 1
+    assert c.joined == set()
+
+
+def test_join_releases_a_tensor_already_waiting():
+    c = make(size=2)
+    c.submit(0, 0, None, [ar("x")], [])
+    assert c.take_responses() == {}
+    c.submit(1, 0, None, [join_req()], [])
+    out = c.take_responses()
+    assert [r.type for r in responses(out, 1)] == [RequestType.ALLREDUCE]
+
+
+def test_last_joined_rank_is_the_last_one():
+    c = make(size=3)
+    for r in (1, 0, 2):
+        c.submit(r, 0, None, [join_req()], [])
+    out = c.take_responses()
+    assert responses(out, 0)[0].last_joined_rank == 2
+
+
+def test_allgather_while_joined_is_an_error():
+    c = make(size=2)
+    c.submit(1, 0, None, [join_req()], [])
+    c.submit(0, 0, None, [ag("g", 2)], [])
+    out = c.take_responses()
+    [resp] = responses(out, 0)
+    assert resp.type == RequestType.ERROR
+    assert resp.error.startswith("Allgather is not supported with Join at this time.")
+
+
+def test_join_again_after_a_completed_join():
+    c = make(size=2)
+    submit_all(c, {0: join_req(), 1: join_req()})
+    assert responses(c.take_responses(), 0)[0].last_joined_rank == 1
+    submit_all(c, {0: ar("y"), 1: ar("y")})
+    assert responses(c.take_responses(), 0)[0].type == RequestType.ALLREDUCE
+    c.submit(1, 0, None, [join_req()], [])
+    c.submit(0, 0, None, [join_req()], [])
+    assert responses(c.take_responses(), 1)[0].last_joined_rank == 0
+
+
+# ------------------------------------------------------------------------------------------------ fusion
+def test_fusion_by_threshold():
+    c = make(size=2, threshold=40)  # 10 float32 = 40 bytes
+    reqs = [ar(n, shape=(5,)) for n in "abcde"]  # 20 bytes each
+    submit_all(c, {0: reqs, 1: reqs})
+    out = c.take_responses()
+    assert names(out, 0) == [("a", "b"), ("c", "d"), ("e",)]
+    fused = responses(out, 0)[0]
+    assert fused.shapes == [(5,), (5,)]
+    assert len(fused.cache_ids) == 2
+    assert names(out, 1) == names(out, 0)
+
+
+def test_fusion_only_of_compatible_responses():
+    c = make(size=2, threshold=1 << 20)
+    reqs = [ar("f32a"), ar("f64", dtype=F64), ar("f32b"), ar("avg", op=0), ar("pre", pre=2.0), ar("post", post=2.0),
+            ar("f32c"), bc("bcast"), ar("avg2", op=0)]
+    submit_all(c, {0: reqs, 1: reqs})
+    groups = names(c.take_responses(), 0)
+    assert ("f32a", "f32b", "f32c") in groups
+    assert ("avg", "avg2") in groups
+    for single in ("f64", "pre", "post", "bcast"):
+        assert (single,) in groups
+    assert sorted(n for g in groups for n in g) == sorted(r.name for r in reqs)
+
+
+def test_fusion_never_crosses_process_sets_or_types():
+    c = make(size=2, sets={0: [0, 1], 1: [0, 1]})
+    reqs = [ar("a", ps=0), ar("b", ps=1), bc("c"), bc("d"), ag("e", 1), ag("f", 1)]
+    submit_all(c, {0: reqs, 1: reqs})
+    groups = names(c.take_responses(), 0)
+    assert sorted(groups) == [("a",), ("b",), ("c",), ("d",), ("e",), ("f",)]
+
+
+def test_fusion_disabled_by_zero_threshold():
+    c = make(size=2, threshold=0)
+    reqs = [ar(n) for n in "abc"]
+    submit_all(c, {0: reqs, 1: reqs})
+    assert names(c.take_responses(), 0) == [("a",), ("b",), ("c",)]
+
+
+def test_tensor_bigger_than_threshold_goes_alone():
+    c = make(size=2, threshold=16)
+    reqs = [ar("big", shape=(100,)), ar("s1", shape=(2,)), ar("s2", shape=(2,))]
+    submit_all(c, {0: reqs, 1: reqs})
+    assert names(c.take_responses(), 0) == [("big",), ("s1", "s2")]
+
+
+# ------------------------------------------------------------------------------------------------ cache
+def test_cache_ids_assigned_and_all_hit_fast_path():
+    c = make(size=2, threshold=0)
+    submit_all(c, {0: ar("x"), 1: ar("x")})
+    [resp] = responses(c.take_responses(), 0)
+    [cid] = resp.cache_ids
+    assert cid >= 0
+    submit_all(c, {0: ar("y"), 1: ar("y")})
+    [resp_y] = responses(c.take_responses(), 1)
+    assert resp_y.cache_ids[0] not in (cid, -1, -2)
+    # all ranks hit -> the cached response is reused, flagged as already cached
+    hits(c, [0, 1], 0, cid, ack=2)
+    out = c.take_responses()
+    for r in (0, 1):
+        [again] = responses(out, r)
+        assert again.type == RequestType.ALLREDUCE and again.names == ["x"] and again.shapes == [(4,)]
+        assert again.cache_ids == [-2]
+
+
+def test_partial_hits_wait_for_everyone():
+    c = make(size=3)
+    submit_all(c, {r: ar("x") for r in range(3)})
+    cid = responses(c.take_responses(), 0)[0].cache_ids[0]
+    hits(c, [0, 2], 0, cid, ack=1)
+    assert c.take_responses() == {}
+    hits(c, [1], 0, cid, ack=1)
+    assert names(c.take_responses(), 1) == [("x",)]
+
+
+def test_hit_and_full_request_mix_rebuilds():
+    c = make(size=2)
+    submit_all(c, {0: ar("x"), 1: ar("x")})
+    cid = responses(c.take_responses(), 0)[0].cache_ids[0]
+    hits(c, [0], 0, cid, ack=1)
+    c.submit(1, 1, None, [ar("x")], [])  # same parameters, but rank 1 sent a full request
+    out = c.take_responses()
+    [resp] = responses(out, 0)
+    assert resp.type == RequestType.ALLREDUCE
+
+
+def test_noname_and_partial_responses_are_not_cached():
+    c = make(size=2)
+    submit_all(c, {0: ar("allreduce.noname.1"), 1: ar("allreduce.noname.1")})
+    assert responses(c.take_responses(), 0)[0].cache_ids in ([], [-1])
+    c.submit(0, 0, None, [join_req()], [])
+    c.submit(1, 0, None, [ar("z")], [])
+    resp = [r for r in responses(c.take_responses(), 1) if r.type == RequestType.ALLREDUCE][0]
+    assert resp.cache_ids in ([], [-1])
+
+
+def test_full_request_for_cached_name_evicts_it():
+    c = make(size=2)
+    submit_all(c, {0: ar("x"), 1: ar("x")})
+    cid = responses(c.take_responses(), 0)[0].cache_ids[0]
+    submit_all(c, {0: ar("x", shape=(8,)), 1: ar("x", shape=(8,))}, ack=1)  # parameters changed
+    out = c.take_responses()
+    for r in (0, 1):
+        resps, evicted = out[r]
+        assert (0, cid) in evicted
+        assert resps[0].shapes == [(8,)]
+        new_cid = resps[0].cache_ids[0]
+        assert new_cid >= 0 and new_cid != cid  # ids are never reused
+
+
+def test_graveyard_resolves_a_hit_racing_an_eviction():
+    c = make(size=2, capacity=1, threshold=0)
+    submit_all(c, {0: ar("a"), 1: ar("a")})
+    cid_a = responses(c.take_responses(), 0)[0].cache_ids[0]
+    submit_all(c, {0: ar("b"), 1: ar("b")}, ack=1)  # capacity 1: "a" is evicted
+    out = c.take_responses()
+    assert (0, cid_a) in out[0][1] and (0, cid_a) in out[1][1]
+    # Rank 1 sent a hit for "a" before it read the eviction notice; rank 0 already knows and sends a
+    # full request.  The hit resolves through the graveyard and the tensor completes normally.
+    hits(c, [1], 0, cid_a, ack=1)
+    c.submit(0, 2, None, [ar("a")], [])
+    out = c.take_responses()
+    assert c.shutdown_reason is None
+    for r in (0, 1):
+        [resp] = [x for x in responses(out, r) if x.names == ["a"]]
+        assert resp.type == RequestType.ALLREDUCE
+
+
+def test_graveyard_is_collected_once_every_member_acknowledged():
+    c = make(size=2, capacity=1, threshold=0)
+    submit_all(c, {0: ar("a"), 1: ar("a")})
+    cid_a = responses(c.take_responses(), 0)[0].cache_ids[0]
+    submit_all(c, {0: ar("b"), 1: ar("b")}, ack=1)
+    c.take_responses()  # frame 2 carries the eviction notice
+    notice = c.seq_for(1)
+    assert cid_a in c.sets[0].graveyard
+    c.submit(0, notice, None, [], [])
+    assert cid_a in c.sets[0].graveyard
+    c.submit(1, notice, None, [], [])
+    assert cid_a not in c.sets[0].graveyard
+    # A hit on a collected id is a protocol error that shuts the job down with a reason.
+    hits(c, [1], 0, cid_a, ack=notice)
+    assert c.shutdown_reason is not None and "rank 1" in c.shutdown_reason
+
+
+def test_lru_eviction_and_single_warning(caplog):
+    caplog.set_level(logging.WARNING, logger="horovod.runtime.coordinator")
+    c = make(size=2, capacity=2, threshold=0)
+    ids = {}
+    for n in ("a", "b"):
+        submit_all(c, {0: ar(n), 1: ar(n)})
+        ids[n] = responses(c.take_responses(), 0)[0].cache_ids[0]
+    hits(c, [0, 1], 0, ids["a"], ack=2)  # "a" is now the most recently used
+    c.take_responses()
+    submit_all(c, {0: ar("c"), 1: ar("c")}, ack=3)
+    out = c.take_responses()
+    assert out[0][1] == [(0, ids["b"])]  # least recently used goes first
+    submit_all(c, {0: ar("d"), 1: ar("d")}, ack=4)
+    out = c.take_responses()
+    assert out[0][1] == [(0, ids["a"])]
+    warnings = [r for r in caplog.records if r.getMessage() == EVICTION_WARNING]
+    assert len(warnings) == 1
+    assert warnings[0].levelno == logging.WARNING
+
+
+def test_eviction_warning_text():
+    assert EVICTION_WARNING == (
+        "A response has been evicted from cache which may indicate reduced performance. Better performance may "
+        "be obtained by disabling caching (HOROVOD_CACHE_CAPACITY=0) or increasing the cache capacity "
+        "(HOROVOD_CACHE_CAPACITY>1024).")
+
+
+def test_cache_disabled():
+    c = make(size=2, capacity=0)
+    submit_all(c, {0: ar("x"), 1: ar("x")})
+    assert responses(c.take_responses(), 0)[0].cache_ids in ([], [-1])
+
+
+def test_cached_hits_fused_together():
+    c = make(size=2)
+    reqs = [ar("p"), ar("q")]
+    submit_all(c, {0: reqs, 1: reqs})
+    [fused] = responses(c.take_responses(), 0)
+    cids = fused.cache_ids
+    assert len(cids) == 2 and all(x >= 0 for x in cids)
+    for r in (0, 1):
+        c.submit(r, 1, None, [], [hit(0, cids[0]), hit(0, cids[1])])
+    [again] = responses(c.take_responses(), 0)
+    assert again.names == ["p", "q"]
+
+
+# ------------------------------------------------------------------------------------------------ stalls
+STALL_HEAD = (
+    "One or more tensors were submitted to be reduced, gathered or broadcasted by subset of ranks and are waiting "
+    "for remainder of ranks for more than 60 seconds. This may indicate that different ranks are trying to submit "
+    "different tensors or that only subset of ranks is submitting tensors, which will cause deadlock. \n"
+    "Missing ranks:\n")
+
+
+def test_stall_warning_text(caplog):
+    caplog.set_level(logging.WARNING, logger="horovod.runtime.coordinator")
+    c = make(size=3, stall_warning=60.0, stall_shutdown=0.0)
+    c.submit(0, 0, None, [ar("tensor_a"), ar("tensor_b")], [])
+    c.submit(2, 0, None, [ar("tensor_a")], [])
+    assert c.check_stalls(now=time.monotonic() + 10) is None
+    assert not caplog.records
+    assert c.check_stalls(now=time.monotonic() + 61) is None
+    [record] = [r for r in caplog.records if "Missing ranks" in r.getMessage()]
+    assert record.levelno == logging.WARNING
+    assert record.getMessage() == STALL_HEAD + "1: [tensor_a, tensor_b]\n2: [tensor_b]"
+
+
+def test_stall_warning_lists_at_most_six_names(caplog):
+    caplog.set_level(logging.WARNING, logger="horovod.runtime.coordinator")
+    c = make(size=2, stall_warning=60.0, stall_shutdown=0.0)
+    c.submit(0, 0, None, [ar(f"t{i}") for i in range(8)], [])
+    c.check_stalls(now=time.monotonic() + 61)
+    [record] = [r for r in caplog.records if "Missing ranks" in r.getMessage()]
+    assert record.getMessage().endswith("\n1: [t0, t1, t2, t3, t4, t5] ...")
+
+
+def test_stall_shutdown_names_missing_ranks_and_tensors(caplog):
+    caplog.set_level(logging.WARNING, logger="horovod.runtime.coordinator")
+    c = make(size=3, stall_warning=60.0, stall_shutdown=120.0)
+    c.submit(0, 0, None, [ar("grad.w")], [])
+    c.submit(1, 0, None, [ar("grad.w")], [])
+    assert c.check_stalls(now=time.monotonic() + 61) is None  # warning only
+    reason = c.check_stalls(now=time.monotonic() + 200)
+    assert reason is not None
+    assert "rank 2" in reason and "grad.w" in reason
+    [record] = [r for r in caplog.records if "Will shutdown" in r.getMessage()]
+    assert record.levelno == logging.ERROR
+    assert record.getMessage() == (STALL_HEAD + "2!: [grad.w]\n"
+                                   'One or more rank (marked by "!") is stalled for longer than 120 seconds. '
+                                   "Will shutdown.")
+
+
+def test_stall_ignores_joined_ranks_and_complete_tensors():
+    c = make(size=3, stall_warning=60.0, stall_shutdown=61.0)
+    c.submit(2, 0, None, [join_req()], [])
+    c.submit(0, 0, None, [ar("x")], [])
+    submit_all(c, {0: ar("done"), 1: ar("done")})
+    reason = c.check_stalls(now=time.monotonic() + 100)
+    assert reason is not None and "rank 1" in reason and "rank 2" not in reason and "done" not in reason
+
+
+def test_stall_in_a_process_set_only_names_its_members():
+    c = make(size=3, sets={0: [0, 1, 2], 1: [1, 2]}, stall_warning=60.0, stall_shutdown=61.0)
+    c.submit(1, 0, None, [ar("sub", ps=1)], [])
+    reason = c.check_stalls(now=time.monotonic() + 100)
+    assert reason is not None and "rank 2" in reason and "rank 0" not in reason
+
+
+def test_stall_check_disabled():
+    c = make(size=2, stall_warning=60.0, stall_shutdown=61.0, stall_disable=True)
+    c.submit(0, 0, None, [ar("x")], [])
+    assert c.check_stalls(now=time.monotonic() + 1000) is None
+
+
+def test_stall_shutdown_less_than_warning_does_not_shut_down(caplog):
+    caplog.set_level(logging.WARNING, logger="horovod.runtime.coordinator")
+    c = make(size=2, stall_warning=60.0, stall_shutdown=30.0)
+    c.submit(0, 0, None, [ar("x")], [])
+    assert c.check_stalls(now=time.monotonic() + 1000) is None
+    messages = [r.getMessage() for r in caplog.records]
+    assert ("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS is less than HOROVOD_STALL_CHECK_TIME_SECONDS, will not "
+            "shutdown.") in messages
+    stall = [m for m in messages if "Missing ranks" in m]
+    assert stall and stall[0].endswith("\n1: [x]"), "no '!' marker when the job will not shut down"
+
+
+@pytest.mark.parametrize("warning", [60.0, 5.0])
+def test_stall_check_interval(caplog, warning):
+    caplog.set_level(logging.WARNING, logger="horovod.runtime.coordinator")
+    c = make(size=2, stall_warning=warning, stall_shutdown=0.0)
+    c.submit(0, 0, None, [ar("x")], [])
+    t0 = time.monotonic()
+    c.check_stalls(now=t0 + warning + 1)
+    c.check_stalls(now=t0 + warning + 1.5)  # too soon: no second warning
+    assert len([r for r in caplog.records if "Missing ranks" in r.getMessage()]) == 1
+    c.check_stalls(now=t0 + 2 * warning + 2)
+    assert len([r for r in caplog.records if "Missing ranks" in r.getMessage()]) == 2
+
+
+# ------------------------------------------------------------------------------------------------ inline
+def _inline(c, rank, name, arr, op=1, pre=1.0, post=1.0):
+    req = Request(RequestType.ALLREDUCE, 0, name, dtype_code(arr.dtype), arr.shape, -1, op, pre, post)
+    req.inline = 0
+    c.submit(rank, 0, None, [req], [], [arr.reshape(-1)])
+
+
+def test_inline_small_allreduce_is_reduced_by_the_coordinator():
+    c = make(size=3)
+    xs = [np.array([1.5, -2.0, 3.0], np.float32) * (r + 1) for r in range(3)]
+    for r in range(3):
+        _inline(c, r, "s", xs[r], op=1, pre=2.0, post=0.5)
+    [resp] = responses(c.take_responses(), 1)
+    np.testing.assert_allclose(np.asarray(resp.data).reshape(-1), (xs[0] + xs[1] + xs[2]) * 2.0 * 0.5)
+
+
+def test_inline_integer_average_truncates_and_joined_ranks_count():
+    c = make(size=3)
+    c.submit(2, 0, None, [join_req()], [])
+    _inline(c, 0, "i", np.array([-7, 7, 4], np.int32), op=0)
+    _inline(c, 1, "i", np.array([0, 1, 0], np.int32), op=0)
+    [resp] = [r for r in responses(c.take_responses(), 0) if r.type == RequestType.ALLREDUCE]
+    # (sum of the two contributions) / 3 (the full size), truncated toward zero
+    np.testing.assert_array_equal(np.asarray(resp.data).reshape(-1), [-2, 2, 1])

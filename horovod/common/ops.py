@@ -30,6 +30,7 @@ _OP_NAMES = {RequestType.ALLREDUCE: "Allreduce", RequestType.ALLGATHER: "Allgath
              RequestType.REDUCESCATTER: "Reducescatter", RequestType.BARRIER: "Barrier",
              RequestType.JOIN: "Join"}
 _counter = itertools.count(1)
+_group_ids = itertools.count(1)
 _counter_lock = threading.Lock()
 
 
@@ -64,16 +65,19 @@ def _set_id(process_set: ProcessSet, rtype: int) -> tuple[int, list[int]]:
 
 
 def _array(tensor) -> np.ndarray:
-    arr = np.asarray(tensor)
-    dtype_code(arr.dtype)  # ValueError for unsupported types
-    return arr
+    return tensor if type(tensor) is np.ndarray else np.asarray(tensor)
 
 
 def _enqueue(items: list[tuple[Request, np.ndarray | None, np.ndarray | None]]) -> list[Handle]:
     return basics.engine().enqueue(items)
 
 
+_PLAIN_OPS = frozenset((basics.Average, basics.Sum, basics.Min, basics.Max, basics.Product))
+
+
 def _check_op(op: int, rtype: int) -> None:
+    if op in _PLAIN_OPS and rtype != RequestType.REDUCESCATTER:
+        return
     if op == basics.Adasum:
         raise NotImplementedError("The Adasum reduction is not supported by the built-in transport.")
     if op not in (basics.Average, basics.Sum, basics.Min, basics.Max, basics.Product):
@@ -86,9 +90,12 @@ def allreduce(tensor, output: np.ndarray | None = None, *, name: str | None = No
               prescale_factor: float = 1.0, postscale_factor: float = 1.0,
               process_set: ProcessSet = global_process_set) -> Handle:
     """Enqueue an allreduce; ``output`` (may be ``tensor`` itself) receives the result in place."""
-    return grouped_allreduce([tensor], None if output is None else [output], name=name, op=op,
-                             prescale_factor=prescale_factor, postscale_factor=postscale_factor,
-                             process_set=process_set, _grouped=False)[0]
+    _check_op(op, RequestType.ALLREDUCE)
+    ps_id, _ = _set_id(process_set, RequestType.ALLREDUCE)
+    arr = _array(tensor)
+    req = Request(RequestType.ALLREDUCE, ps_id, name or auto_name("allreduce"), dtype_code(arr.dtype), arr.shape,
+                  -1, op, float(prescale_factor), float(postscale_factor))
+    return _enqueue([(req, arr, output)])[0]
 
 
 def grouped_allreduce(tensors: Sequence, outputs: Sequence | None = None, *, name: str | None = None,
@@ -100,7 +107,7 @@ def grouped_allreduce(tensors: Sequence, outputs: Sequence | None = None, *, nam
     if _grouped and len({a.dtype for a in arrays}) > 1:
         raise ValueError("Tensors in a grouped allreduce must all have the same dtype.")
     base = name or auto_name("grouped_allreduce" if _grouped else "allreduce")
-    group_id = next(_counter) if _grouped and len(arrays) > 1 else -1
+    group_id = next(_group_ids) if _grouped and len(arrays) > 1 else -1
     items = []
     for i, arr in enumerate(arrays):
         tname = f"{base}_{i + 1}of{len(arrays)}" if _grouped else base

@@ -18,37 +18,67 @@ from horovod.runtime.messages import Request
 __all__ = ["Handle", "TensorEntry", "TensorQueue"]
 
 
+class _Completion:
+    """One condition variable shared by many handles: completing a handle costs two attribute writes, and
+    only wakes a thread when one is actually waiting."""
+
+    __slots__ = ("cond", "waiters")
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition(threading.Lock())
+        self.waiters = 0
+
+    def notify(self) -> None:
+        if self.waiters:
+            with self.cond:
+                self.cond.notify_all()
+
+
+_DEFAULT_COMPLETION = _Completion()
+
+
 class Handle:
     """The future of one enqueued tensor; ``wait()`` returns its result or raises its error."""
 
-    __slots__ = ("_event", "_result", "_error", "name", "_queue")
+    __slots__ = ("_done", "_result", "_error", "name", "_queue", "_completion")
 
     def __init__(self, name: str, queue: TensorQueue | None = None) -> None:
-        self._event = threading.Event()
+        self._done = False
         self._result: Any = None
         self._error: BaseException | None = None
         self.name = name
         self._queue = queue
+        self._completion = queue.completion if queue is not None else _DEFAULT_COMPLETION
 
     def done(self) -> bool:
-        return self._event.is_set()
+        return self._done
 
     def wait(self, timeout: float | None = None) -> Any:
-        if not self._event.is_set() and self._queue is not None:
-            self._queue.caller_blocking()
-        if not self._event.wait(timeout):
-            raise TimeoutError(f"collective {self.name!r} did not complete within {timeout} s")
+        if not self._done:
+            if self._queue is not None:
+                self._queue.caller_blocking()
+            completion = self._completion
+            with completion.cond:
+                completion.waiters += 1
+                try:
+                    finished = completion.cond.wait_for(lambda: self._done, timeout)
+                finally:
+                    completion.waiters -= 1
+            if not finished:
+                raise TimeoutError(f"collective {self.name!r} did not complete within {timeout} s")
         if self._error is not None:
             raise self._error
         return self._result
 
     def set_result(self, result: Any) -> None:
         self._result = result
-        self._event.set()
+        self._done = True
+        self._completion.notify()
 
     def set_error(self, error: BaseException) -> None:
         self._error = error
-        self._event.set()
+        self._done = True
+        self._completion.notify()
 
 
 class TensorEntry:
@@ -69,6 +99,7 @@ class TensorQueue:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        self.completion = _Completion()
         self._caller_blocked = threading.Condition(self._lock)
         self._go = False
         self._new: list[TensorEntry] = []

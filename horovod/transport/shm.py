@@ -46,6 +46,7 @@ SMALL_BYTES = 64 * 1024
 _FD_FRAME = 0x51
 _TOKEN = b"\x01"
 _ALIGN = 64
+_STAGGER = 4096 + 3 * 64
 
 
 class ShmCommunicator(Communicator):
@@ -70,6 +71,9 @@ class ShmCommunicator(Communicator):
         self.small_bytes = small_bytes
         self.region_bytes = max(_ALIGN, piece_bytes // self.size // _ALIGN * _ALIGN)
         self.slot_bytes = self.region_bytes * self.size
+        # Slots (and members' segments) start at staggered offsets so that the streams one reduction
+        # touches do not all map to the same cache sets (power-of-two strides measured 2x slower).
+        self._stride = self.slot_bytes + _STAGGER
         self._segs: list[np.ndarray] | None = None
         self._maps: list[mmap.mmap] = []
         self._parity = 0
@@ -78,7 +82,7 @@ class ShmCommunicator(Communicator):
     # -- setup ---------------------------------------------------------------------------------------
     def _setup(self) -> list[np.ndarray]:
         """Create my segment, pass its descriptor to every member and map theirs (a collective)."""
-        size = 2 * self.slot_bytes
+        size = 2 * self._stride + _STAGGER * self.size
         fd = os.memfd_create(f"horovod-shm-{self.ranks[self.rank]}", os.MFD_CLOEXEC)
         try:
             os.ftruncate(fd, size)
@@ -102,7 +106,7 @@ class ShmCommunicator(Communicator):
     def _region(self, member: int, slot: int, region: int, dtype: np.dtype, count: int) -> np.ndarray:
         segs = self._segs
         assert segs is not None
-        start = slot * self.slot_bytes + region * self.region_bytes
+        start = _STAGGER * member + slot * self._stride + region * self.region_bytes
         return segs[member][start:start + count * dtype.itemsize].view(dtype)
 
     def _ready(self) -> None:

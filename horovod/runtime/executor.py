@@ -87,7 +87,8 @@ class Executor:
                                         "shape": "[" + ", ".join(map(str, shape)) + "]"})
         for e, result in zip(entries, results):
             if e is not None:
-                e.handle.set_result(result)
+                e.handle.set_result(result, notify=False)
+        self.queue.completion.notify()
         return entries
 
     # ------------------------------------------------------------------ collectives

@@ -70,15 +70,18 @@ class Handle:
             raise self._error
         return self._result
 
-    def set_result(self, result: Any) -> None:
+    def set_result(self, result: Any, notify: bool = True) -> None:
+        """Complete the handle; ``notify=False`` lets the engine wake waiters once per batch instead."""
         self._result = result
         self._done = True
-        self._completion.notify()
+        if notify:
+            self._completion.notify()
 
-    def set_error(self, error: BaseException) -> None:
+    def set_error(self, error: BaseException, notify: bool = True) -> None:
         self._error = error
         self._done = True
-        self._completion.notify()
+        if notify:
+            self._completion.notify()
 
 
 class TensorEntry:

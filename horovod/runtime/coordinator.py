@@ -78,6 +78,10 @@ class Coordinator:
         self.disable_group_fusion = disable_group_fusion
         self.timeline = timeline
         self.stall_warning = stall_warning
+        if 0 < stall_shutdown < stall_warning and not stall_disable:
+            log.warning("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS is less than HOROVOD_STALL_CHECK_TIME_SECONDS, "
+                        "will not shutdown.")
+            stall_shutdown = 0.0
         self.stall_shutdown = stall_shutdown
         self.stall_disable = stall_disable
         self.joined: set[int] = set()
@@ -365,9 +369,6 @@ class Coordinator:
             names = missing[r][:6]
             more = " ..." if len(missing[r]) > 6 else ""
             lines.append(f"{r}{'!' if r in overdue else ''}: [{', '.join(names)}]{more}")
-        if 0 < self.stall_shutdown < self.stall_warning:
-            log.warning("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS is less than HOROVOD_STALL_CHECK_TIME_SECONDS, "
-                        "will not shutdown.")
         if overdue:
             lines.append(f'One or more rank (marked by "!") is stalled for longer than '
                          f"{int(self.stall_shutdown)} seconds. Will shutdown.")

@@ -73,7 +73,7 @@ def init(comm=None, process_sets: Sequence[ProcessSet] | str | None = None) -> N
         sets = _register_static_sets(list(process_sets or []), topology.size)
         mesh = None
         if topology.size > 1:
-            mesh = _build_mesh(topology)
+            mesh = _build_mesh(topology, sets)
         try:
             engine = Engine(topology, config, mesh, {ps.process_set_id: ps.ranks for ps in sets})
         except Exception:
@@ -111,7 +111,9 @@ def _register_static_sets(sets: list[ProcessSet], world_size: int) -> list[Proce
     return sets
 
 
-def _build_mesh(topology: Topology):
+def _build_mesh(topology: Topology, sets: list[ProcessSet]):
+    import json
+
     from horovod.transport import build_mesh
     from horovod.transport.store import StoreClient
 
@@ -123,8 +125,17 @@ def _build_mesh(topology: Topology):
                          "key in the environment. Start the job with horovodrun.")
     timeout = env_float("HOROVOD_START_TIMEOUT", 30.0)
     store = StoreClient(addr, int(port), key, timeout=timeout)
-    return build_mesh(topology.rank, topology.size, topology.hostname, store, key,
-                      scope=f"init.{_init_count}", timeout=timeout)
+    scope = f"init.{_init_count}"
+    # Every rank must pass the same static process sets: rank 0 compares everyone's, the others rank 0's.
+    mine = json.dumps([ps.ranks for ps in sets]).encode()
+    store.put(f"{scope}/process_sets.{topology.rank}", mine)
+    others = range(1, topology.size) if topology.rank == 0 else [0]
+    for r in others:
+        theirs = store.get(f"{scope}/process_sets.{r}", timeout=timeout)
+        if theirs != mine:
+            raise ValueError("Horovod initialization failed: ranks passed different process_sets to init() "
+                             f"(rank {topology.rank}: {mine.decode()}, rank {r}: {theirs.decode()}).")
+    return build_mesh(topology.rank, topology.size, topology.hostname, store, key, scope=scope, timeout=timeout)
 
 
 def shutdown() -> None:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from horovod.common.config import RuntimeConfig
-from horovod.common.exceptions import SHUT_DOWN_MESSAGE, ShutdownError
+from horovod.common.exceptions import SHUT_DOWN_MESSAGE, ShutdownError, WireError
 from horovod.runtime.coordinator import Coordinator
 from horovod.runtime.executor import Executor
 from horovod.runtime.messages import (
@@ -202,14 +202,26 @@ class Engine:
                 host = self.mesh.hostnames[peer] if self.mesh is not None else "?"
                 self.coordinator.shutdown_reason = f"rank {peer} on host {host} exited or lost its connection"
             return
+        try:
+            if self.coordinator is not None:
+                if kind != _REQUESTS:
+                    raise WireError(f"unexpected frame kind {kind}")
+                batch = decode_requests(payload, peer)
+            else:
+                if kind != _RESPONSES:
+                    raise WireError(f"unexpected frame kind {kind}")
+                seq, responses, shutdown, evicted = decode_responses(payload)
+        except WireError as e:  # an authenticated peer that speaks garbage is broken: end the job, say why
+            reason = f"rank {peer} sent a malformed control message: {e}"
+            log.error(reason)
+            if self.coordinator is not None:
+                self.coordinator.shutdown_reason = self.coordinator.shutdown_reason or reason
+            else:
+                self._stop_reason = reason
+            return
         if self.coordinator is not None:
-            if kind != _REQUESTS:
-                raise ConnectionError(f"unexpected frame kind {kind} from rank {peer}")
-            self.coordinator.submit(peer, *decode_requests(payload, peer))
+            self.coordinator.submit(peer, *batch)
         else:
-            if kind != _RESPONSES:
-                raise ConnectionError(f"unexpected frame kind {kind} from the coordinator")
-            seq, responses, shutdown, evicted = decode_responses(payload)
             self._seq = seq
             self._todo.extend(responses)
             self._evict(evicted)

@@ -132,7 +132,13 @@ class Coordinator:
                 log.error("rank %d referred to unknown cache entry %d of process set %d", rank, cid, ps_id)
                 self.shutdown_reason = f"protocol error: rank {rank} sent an unknown cache id"
                 continue
-            self._add(state, entry.name, rank, entry.requests[rank], cid, now, blobs[blob] if blob >= 0 else None)
+            data = blobs[blob] if blob >= 0 else None
+            if data is not None and memoryview(data).nbytes != entry.requests[rank].nbytes():
+                log.error("rank %d sent %d inline bytes for cached tensor %s", rank, memoryview(data).nbytes,
+                          entry.name)
+                self.shutdown_reason = f"protocol error: rank {rank} sent a tensor of the wrong size"
+                continue
+            self._add(state, entry.name, rank, entry.requests[rank], cid, now, data)
         if self._graveyard_pending():
             self._collect_graveyard()
 

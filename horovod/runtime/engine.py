@@ -246,7 +246,7 @@ class Engine:
             if req.type == RequestType.ALLREDUCE and req.device < 0 and 0 < e.tensor.nbytes <= inline_budget:
                 inline_budget -= e.tensor.nbytes
                 req.inline = len(blobs)
-                blobs.append(np.ascontiguousarray(e.tensor).reshape(-1))
+                blobs.append(np.ascontiguousarray(e.tensor).reshape(-1).view(np.uint8))
             hit = self._cache.get((req.process_set_id, req.name))
             if hit is not None and hit[1] == req.signature():
                 cached.append((req.process_set_id, hit[0], req.group_id, req.inline))

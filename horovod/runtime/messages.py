@@ -99,6 +99,12 @@ class Request:
         return (self.type, self.dtype, self.shape, self.root_rank, self.reduce_op, self.prescale,
                 self.postscale, self.splits, self.device)
 
+    def nbytes(self) -> int:
+        n = DTYPES[self.dtype].itemsize
+        for d in self.shape:
+            n *= d
+        return n
+
     def to_list(self) -> list:
         return [self.type, self.process_set_id, self.name, self.dtype, list(self.shape), self.root_rank,
                 self.reduce_op, self.prescale, self.postscale, self.group_id, list(self.splits), self.device,
@@ -231,6 +237,10 @@ def decode_requests(data: bytes, rank: int) -> tuple[int, str | None, list[Reque
         requests = [Request.from_list(r, rank) for r in reqs]
         if any(r.inline >= len(blobs) for r in requests) or any(c[3] >= len(blobs) for c in cached):
             raise WireError(f"request batch from rank {rank} refers to a missing blob")
+        for r in requests:
+            if r.inline >= 0 and blobs[r.inline].nbytes != r.nbytes():
+                raise WireError(f"request from rank {rank} carries {blobs[r.inline].nbytes} bytes for a tensor of "
+                                f"{r.nbytes()} bytes")
         return int(ack), shutdown, requests, cached, blobs
     except WireError:
         raise
@@ -244,7 +254,7 @@ def encode_responses(seq: int, responses: list[Response], shutdown: str | None,
     for r in responses:
         if r.data is not None:
             r.inline = len(blobs)
-            blobs.append(r.data)
+            blobs.append(r.data.view(np.uint8) if isinstance(r.data, np.ndarray) else r.data)
     return _pack([seq, [r.to_list() for r in responses], shutdown, evicted], blobs)
 
 

@@ -162,8 +162,7 @@ class TensorQueue:
     def drain(self) -> list[TensorEntry]:
         """Entries added since the last call (engine thread)."""
         try:  # drain the pipe *before* taking the list, so a concurrent push always leaves a byte behind
-            while os.read(self._wake_r, 4096):
-                pass
+            os.read(self._wake_r, 65536)  # at most one byte per drain is ever pending
         except BlockingIOError:
             pass
         with self._lock:

@@ -14,9 +14,7 @@ received_splits)`` for alltoall with splits, a list for grouped handles) and rai
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 
@@ -52,6 +50,7 @@ from horovod.common.basics import (
     stop_timeline,
 )
 from horovod.common.exceptions import HorovodInternalError
+from horovod.common.handles import HandleMap
 from horovod.common.objects import allgather_object, broadcast_object
 from horovod.common.process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
 
@@ -70,36 +69,7 @@ __all__ = [
 ]
 
 
-class _HandleMap:
-    """Integer handles → engine handles; the engine handle keeps the input/output arrays alive."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._next = 0
-        self._handles: dict[int, tuple[Any, bool]] = {}
-
-    def add(self, handle: Any, grouped: bool = False) -> int:
-        with self._lock:
-            self._next += 1
-            self._handles[self._next] = (handle, grouped)
-            return self._next
-
-    def pop(self, key: int) -> tuple[Any, bool]:
-        with self._lock:
-            try:
-                return self._handles.pop(key)
-            except KeyError:
-                raise ValueError(f"Unknown or already synchronized handle: {key}") from None
-
-    def peek(self, key: int) -> tuple[Any, bool]:
-        with self._lock:
-            try:
-                return self._handles[key]
-            except KeyError:
-                raise ValueError(f"Unknown or already synchronized handle: {key}") from None
-
-
-_handles = _HandleMap()
+_handles = HandleMap()
 
 
 def _resolve_op(op: int | None, average: bool | None) -> int:

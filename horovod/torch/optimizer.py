@@ -1,0 +1,431 @@
+"""``DistributedOptimizer``: averages gradients over the ranks while ``loss.backward()`` is still running.
+
+Each parameter gets a ``register_post_accumulate_grad_hook``; when its gradient is complete (and, with
+``backward_passes_per_step=N``, on the N-th backward pass) the hook starts an in-place ``allreduce_async_``
+of ``p.grad``, so communication overlaps the rest of the backward pass.  The engine fuses gradients that
+become ready together.  The first hook of a backward pass also queues an autograd *final callback* (as
+DistributedDataParallel does) that waits for the started reductions before ``backward()`` returns, so code
+that reads gradients between ``backward()`` and ``step()`` (clipping, ``GradScaler.unscale_``) sees averaged
+gradients without calling ``synchronize()``.  ``step()`` reduces whatever is left (parameters whose hook
+never fired get zero gradients) and then runs the wrapped optimizer.
+
+The wrapper holds the user's optimizer instead of subclassing it at run time (upstream builds
+``type(name, (optimizer.__class__,), ...)``).  It still reports the wrapped class — ``isinstance(opt,
+torch.optim.SGD)`` and ``opt.__class__.__name__ == "SGD"`` hold, so LR schedulers and ``GradScaler`` accept
+it — and every attribute it does not define (``param_groups``, ``state``, ``state_dict``...) is the wrapped
+optimizer's.  Pickling it pickles the wrapped optimizer: hooks and handles belong to this process.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import os
+import warnings
+import weakref
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+import torch
+
+from horovod.common import basics
+from horovod.common.basics import Adasum, Average
+from horovod.common.process_sets import ProcessSet, global_process_set
+from horovod.torch.compression import Compression, Compressor
+from horovod.torch.mpi_ops import (
+    allreduce_async_,
+    grouped_allreduce_async_,
+    sparse_allreduce_async,
+    synchronize,
+)
+
+__all__ = ["DistributedOptimizer"]
+
+log = logging.getLogger(__name__)
+
+_TOO_MANY_PASSES = ("Gradients were computed more than backward_passes_per_step times before call to step(). "
+                    "Increase backward_passes_per_step to accumulate gradients locally.")
+_ZERO_GRAD_RACE = ("optimizer.zero_grad() was called after loss.backward() but before optimizer.step() or "
+                   "optimizer.synchronize(). This is prohibited as it can cause a race condition.")
+_STEP_AFTER_SYNC = ("optimizer.step() called without optimizer.skip_synchronize() context after "
+                    "optimizer.synchronize(). This can cause training slowdown. You may want to consider using "
+                    "optimizer.skip_synchronize() context if you use optimizer.synchronize() in your code.")
+
+
+def _split_list(items: list, n: int) -> list[list]:
+    """``n`` contiguous chunks of nearly equal length (upstream's ``split_list``)."""
+    d, r = divmod(len(items), n)
+    return [items[i * d + min(i, r):(i + 1) * d + min(i + 1, r)] for i in range(n)]
+
+
+class _Reduction:
+    """One started allreduce of one parameter or group; ``finish()`` writes the results into ``p.grad``."""
+
+    __slots__ = ("params", "tensors", "ctxs", "handle", "compression", "done")
+
+    def __init__(self, params, tensors, ctxs, handle, compression) -> None:
+        self.params = params
+        self.tensors = tensors
+        self.ctxs = ctxs
+        self.handle = handle
+        self.compression = compression
+        self.done = False
+
+    def finish(self) -> None:
+        if self.done:
+            return
+        self.done = True
+        if callable(self.handle):  # sparse: two allgathers behind a callable
+            self.params[0].grad = self.handle()
+            return
+        synchronize(self.handle)
+        for p, t, ctx in zip(self.params, self.tensors, self.ctxs):
+            out = self.compression.decompress(t, ctx)
+            if out is not p.grad:
+                if p.grad.is_sparse:
+                    p.grad = out
+                else:
+                    p.grad.copy_(out)
+
+
+class _DistributedOptimizer:
+    """See :func:`DistributedOptimizer`."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, named_parameters, compression: type[Compressor],
+                 backward_passes_per_step: int, op: int, gradient_predivide_factor: float,
+                 groups, sparse_as_dense: bool, process_set: ProcessSet) -> None:
+        self._optimizer = optimizer
+        self._compression = compression
+        self.backward_passes_per_step = backward_passes_per_step
+        self.op = op
+        self.gradient_predivide_factor = gradient_predivide_factor
+        self.sparse_as_dense = sparse_as_dense
+        self.process_set = process_set
+        self._parameter_names = self._names(named_parameters)
+        self._groups = self._make_groups(groups)
+        self._group_of: dict[torch.Tensor, int] = {p: i for i, g in enumerate(self._groups or []) for p in g}
+        self._pending: dict[torch.Tensor, _Reduction] = {}
+        self._seen: set[torch.Tensor] = set()
+        self._group_ready: dict[int, set] = {}
+        self._delay: dict[torch.Tensor, int] = {}
+        self._hook_handles: list = []
+        self._callback_queued = False
+        self._synchronized = False
+        self._should_synchronize = True
+        set_size = process_set.size() if process_set.included() else 0
+        self._active = bool(process_set.included()) and (
+            (set_size or 0) > 1 or os.environ.get("HOROVOD_ELASTIC") == "1")
+        self._requires_update: list[torch.Tensor] = []
+        self._register_hooks(p for group in optimizer.param_groups for p in group["params"])
+
+    # ------------------------------------------------------------------ looks like the wrapped optimizer
+    @property
+    def __class__(self):  # noqa: D401 - isinstance(opt, torch.optim.SGD) and LR schedulers rely on this
+        return self._optimizer.__class__
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "_optimizer":
+            raise AttributeError(name)
+        return getattr(self._optimizer, name)
+
+    def __reduce_ex__(self, protocol):
+        return self._optimizer.__reduce_ex__(protocol)
+
+    def __repr__(self) -> str:
+        return f"DistributedOptimizer({self._optimizer!r})"
+
+    # ------------------------------------------------------------------ construction helpers
+    def _names(self, named_parameters) -> dict[torch.Tensor, str]:
+        groups = self._optimizer.param_groups
+        if named_parameters is not None:
+            named_parameters = list(named_parameters)
+        else:
+            # upstream's allreduce.noname.<g>.<i>; ours stay cacheable (the engine never caches "*.noname.*")
+            named_parameters = [(f"param.{i}.{j}", v) for i, group in enumerate(groups)
+                                for j, v in enumerate(group["params"])]
+        if any(not isinstance(p, tuple) for p in named_parameters):
+            raise ValueError("named_parameters should be a sequence of tuples (name, parameter), usually "
+                             "produced by model.named_parameters().")
+        counts = collections.Counter(k for k, _ in named_parameters)
+        dups = sorted(k for k, n in counts.items() if n > 1)
+        if dups:
+            raise ValueError("Parameter names in named_parameters must be unique. Found duplicates: "
+                             + ", ".join(dups))
+        all_ids = {id(v) for group in groups for v in group["params"]}
+        unnamed = all_ids - {id(v) for _, v in named_parameters}
+        if unnamed:
+            raise ValueError("named_parameters was specified, but one or more model parameters were not named. "
+                             "Python object ids: " + ", ".join(str(i) for i in unnamed))
+        return {v: k for k, v in sorted(named_parameters, key=lambda kv: kv[0])}
+
+    def _make_groups(self, groups) -> list[list[torch.Tensor]] | None:
+        if groups is None or groups == 0:
+            return None
+        if isinstance(groups, list):
+            seen: set[int] = set()
+            for group in groups:
+                for p in group:
+                    if not isinstance(p, torch.Tensor):
+                        raise ValueError("groups must consist of torch.Tensor.")
+                    if id(p) in seen:
+                        raise ValueError("A parameter can only appear once in groups.")
+                    seen.add(id(p))
+            return [list(g) for g in groups if len(g)]
+        if not isinstance(groups, int) or groups < 0:
+            raise ValueError("groups should be a non-negative integer or a list of list of torch.Tensor.")
+        params = [p for group in self._optimizer.param_groups for p in group["params"] if p.requires_grad]
+        return [g for g in _split_list(params, min(groups, max(len(params), 1))) if g]
+
+    def _register_hooks(self, params: Iterable[torch.Tensor]) -> None:
+        me = weakref.ref(self)
+        for p in params:
+            if not p.requires_grad:
+                continue
+            self._requires_update.append(p)
+            self._delay[p] = self.backward_passes_per_step
+            if p not in self._parameter_names:
+                self._parameter_names[p] = f"param.extra.{len(self._parameter_names)}"
+            if self._active:
+                self._hook_handles.append(p.register_post_accumulate_grad_hook(_make_hook(me)))
+
+    # ------------------------------------------------------------------ hooks
+    def _grad_ready(self, p: torch.Tensor) -> None:
+        if self._delay[p] <= 0:
+            raise AssertionError(_TOO_MANY_PASSES)
+        self._delay[p] -= 1
+        self._seen.add(p)
+        if self._delay[p] > 0:
+            return
+        self._queue_final_callback()
+        if self._groups is None or p not in self._group_of:
+            self._launch([p])
+            return
+        gid = self._group_of[p]
+        ready = self._group_ready.setdefault(gid, set())
+        ready.add(p)
+        if len(ready) == len(self._groups[gid]):
+            self._launch(self._groups[gid], gid)
+
+    def _queue_final_callback(self) -> None:
+        if self._callback_queued:
+            return
+        try:
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_started)
+            self._callback_queued = True
+        except RuntimeError:  # not inside a backward pass: step()/synchronize() will wait instead
+            pass
+
+    def _finish_started(self) -> None:
+        """End of the backward pass: wait for the reductions it started (the others wait for step())."""
+        self._callback_queued = False
+        for reduction in list(self._pending.values()):
+            reduction.finish()
+
+    def _launch(self, params: Sequence[torch.Tensor], group_id: int | None = None) -> None:
+        for p in params:
+            if p.grad is None:  # no gradient on this rank (unused parameter): contribute zeros
+                p.grad = torch.zeros_like(p, memory_format=torch.contiguous_format)
+        if self.op == Average:
+            prescale, postscale = 1.0 / self.gradient_predivide_factor, self.gradient_predivide_factor
+        else:
+            prescale = postscale = 1.0
+        first = params[0]
+        if group_id is None and first.grad.is_sparse and not self.sparse_as_dense:
+            handle = sparse_allreduce_async(first.grad, self._parameter_names[first], self.op, self.process_set)
+            reduction = _Reduction([first], [], [], handle, self._compression)
+        else:
+            tensors, ctxs = [], []
+            for p in params:
+                grad = p.grad
+                if grad.is_sparse:
+                    grad = grad.to_dense()
+                    p.grad = grad
+                elif not grad.is_contiguous():
+                    p.grad = grad = grad.contiguous()
+                compressed, ctx = self._compression.compress(grad)
+                tensors.append(compressed)
+                ctxs.append(ctx)
+            if group_id is None:
+                handle = allreduce_async_(tensors[0], name=self._parameter_names[first], op=self.op,
+                                          prescale_factor=prescale, postscale_factor=postscale,
+                                          process_set=self.process_set)
+            else:
+                handle = grouped_allreduce_async_(tensors, name=f"group.{group_id}", op=self.op,
+                                                  prescale_factor=prescale, postscale_factor=postscale,
+                                                  process_set=self.process_set)
+            reduction = _Reduction(list(params), tensors, ctxs, handle, self._compression)
+        for p in params:
+            self._pending[p] = reduction
+
+    # ------------------------------------------------------------------ public API (upstream's)
+    def synchronize(self) -> None:
+        """Finish averaging every gradient now (parameters without a gradient contribute zeros).
+
+        Only needed to modify gradients before ``step()`` in upstream's style; afterwards call ``step()``
+        inside ``skip_synchronize()``."""
+        if not self._active:
+            self._synchronized = True
+            return
+        if self._groups is not None:
+            for gid, group in enumerate(self._groups):
+                if group[0] not in self._pending:
+                    self._launch(group, gid)
+        for p in self._requires_update:
+            if p not in self._pending:
+                self._launch([p])
+        try:
+            for reduction in list(self._pending.values()):
+                reduction.finish()
+        finally:
+            self._reset_counters()
+        self._synchronized = True
+
+    def _reset_counters(self) -> None:
+        self._pending.clear()
+        self._seen.clear()
+        self._group_ready.clear()
+        for p in self._delay:
+            self._delay[p] = self.backward_passes_per_step
+
+    @contextlib.contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        """A context manager used to specify that optimizer.step() should not perform synchronization.
+
+        It's typically used in a following pattern::
+
+            optimizer.synchronize()
+            with optimizer.skip_synchronize():
+                optimizer.step()
+        """
+        self._should_synchronize = False
+        try:
+            yield
+        finally:
+            self._should_synchronize = True
+
+    def step(self, closure=None):
+        """Average the remaining gradients, then run the wrapped optimizer's ``step``."""
+        if self._should_synchronize:
+            if self._synchronized:
+                warnings.warn(_STEP_AFTER_SYNC, stacklevel=2)
+            self.synchronize()
+        self._synchronized = False
+        return self._optimizer.step() if closure is None else self._optimizer.step(closure)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """The wrapped optimizer's ``zero_grad``; refused while gradients of this step are being reduced."""
+        if self._pending or self._seen:
+            raise AssertionError(_ZERO_GRAD_RACE)
+        self._optimizer.zero_grad(set_to_none=set_to_none)
+
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        self.backward_passes_per_step = passes
+        for p in self._delay:
+            self._delay[p] = passes
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """The wrapped optimizer's ``load_state_dict``; forgets gradients in flight and pass counters."""
+        self._reset_counters()
+        self._optimizer.load_state_dict(state_dict)
+
+    def add_param_group(self, param_group: dict) -> None:
+        self._optimizer.add_param_group(param_group)
+        self._register_hooks(self._optimizer.param_groups[-1]["params"])
+
+    def remove_hooks(self) -> None:
+        """Detach from the parameters (e.g. before wrapping the same model in a new optimizer)."""
+        for h in self._hook_handles:
+            h.remove()
+        self._hook_handles.clear()
+
+
+def _make_hook(me: weakref.ref):
+    def hook(p: torch.Tensor) -> None:
+        opt = me()
+        if opt is not None:
+            opt._grad_ready(p)
+
+    return hook
+
+
+def DistributedOptimizer(optimizer: torch.optim.Optimizer,
+                         named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
+                         compression: type[Compressor] = Compression.none, backward_passes_per_step: int = 1,
+                         op: int = Average, gradient_predivide_factor: float = 1.0, num_groups: int = 0,
+                         groups: int | list[list[torch.Tensor]] | None = None, sparse_as_dense: bool = False,
+                         process_set: ProcessSet = global_process_set):
+    """
+    An optimizer that wraps another torch.optim.Optimizer, using an allreduce to
+    combine gradient values before applying gradients to model weights.
+
+    Allreduce operations are executed after each gradient is computed by ``loss.backward()``
+    in parallel with each other, and ``backward()`` returns once the gradients it produced
+    are averaged. The ``step()`` method ensures that all allreduce operations are finished
+    before applying gradients to the model.
+
+    Gradients are therefore averaged when ``backward()`` returns, so clipping needs no extra
+    call. Upstream's pattern, which synchronizes explicitly, still works::
+
+        output = model(data)
+        loss = F.nll_loss(output, target)
+        loss.backward()
+        optimizer.synchronize()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
+        with optimizer.skip_synchronize():
+            optimizer.step()
+
+    Arguments:
+        optimizer: Optimizer to use for computing gradients and applying updates.
+        named_parameters: A mapping between parameter names and values. Used for naming of
+                          allreduce operations. Typically just ``model.named_parameters()``.
+        compression: Compression algorithm used during allreduce to reduce the amount
+                     of data sent during each parameter update step.  Defaults to
+                     not using compression (``Compression.none``; also ``fp16``, ``bf16``).
+        backward_passes_per_step: Number of expected backward passes to perform
+                                  before calling step()/synchronize(). This
+                                  allows accumulating gradients over multiple
+                                  mini-batches before reducing and applying them.
+        op: The reduction operation to use when combining gradients across different ranks.
+        gradient_predivide_factor: If op == Average, gradient_predivide_factor splits the averaging
+                                   before and after the sum. Gradients are scaled by
+                                   1.0 / gradient_predivide_factor before the sum and
+                                   gradient_predivide_factor / size after the sum.
+        num_groups: Number of groups to assign gradient allreduce ops to for explicit
+                    grouping. Defaults to no explicit groups (deprecated: use ``groups``).
+        groups: The parameter to group the gradient allreduce ops. Accept values is a
+                non-negative integer or a list of list of torch.Tensor.
+                If groups is a non-negative integer, it is the number of groups to assign
+                gradient allreduce ops to for explicit grouping.
+                If groups is a list of list of torch.Tensor. Tensors in the same
+                inner list will be assigned to the same group, while parameter that does
+                not appear in any list will form a group itself.
+                Defaults as None, which is no explicit groups.
+        sparse_as_dense: If set True, convert all sparse gradients to dense and perform allreduce, then
+                         convert back to sparse before applying the update.
+        process_set: Gradients will only be reduced over Horovod processes belonging
+                     to this process set. Defaults to the global process set.
+
+    Returns:
+        A wrapper that behaves as ``optimizer`` (same class for ``isinstance``, same ``param_groups``).
+
+    Raises:
+        ValueError: for invalid arguments (the message names the argument).
+        NotImplementedError: for ``op=Adasum``, which the built-in transport does not provide.
+    """
+    if gradient_predivide_factor != 1.0 and op != Average:
+        raise ValueError("gradient_predivide_factor not supported with op != Average")
+    if backward_passes_per_step <= 0:
+        raise ValueError("backward_passes_per_step must be > 0")
+    if num_groups != 0:
+        warnings.warn("Parameter `num_groups` has been replaced by `groups` and will be removed in v0.23.0.",
+                      DeprecationWarning, stacklevel=2)
+        if groups is None:
+            groups = num_groups
+    if op == Adasum:
+        raise NotImplementedError("The Adasum reduction is not supported by the built-in transport.")
+    basics.engine()  # ValueError before init, as every collective
+    if isinstance(optimizer, _DistributedOptimizer):
+        raise ValueError("optimizer is already a DistributedOptimizer; wrap the original optimizer once.")
+    return _DistributedOptimizer(optimizer, named_parameters, compression, backward_passes_per_step, op,
+                                 gradient_predivide_factor, groups, sparse_as_dense, process_set)

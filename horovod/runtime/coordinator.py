@@ -159,8 +159,9 @@ class Coordinator:
 
     def _check_ready(self, state: _SetState, name: str, pending: _Pending) -> None:
         submitted = len(pending.requests)
-        if submitted + sum(1 for r in state.ranks if r in self.joined and r not in pending.requests) \
-                < len(state.ranks):
+        if self.joined:
+            submitted += sum(1 for r in state.ranks if r in self.joined and r not in pending.requests)
+        if submitted < len(state.ranks):
             return
         del state.pending[name]
         if self.timeline is not None:

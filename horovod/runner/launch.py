@@ -59,7 +59,7 @@ def make_parser() -> argparse.ArgumentParser:
                         help="YAML file of parameters; flags given on the command line win.")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="Command to be executed.")
 
-    ssh = parser.add_argument_group("SSH arguments (remote hosts: not supported yet)")
+    ssh = parser.add_argument_group("SSH arguments")
     ssh.add_argument("-p", "--ssh-port", type=int, dest="ssh_port", help="SSH port on all hosts.")
     ssh.add_argument("-i", "--ssh-identity-file", dest="ssh_identity_file", help="SSH identity file.")
 
@@ -195,6 +195,14 @@ def _run(args: argparse.Namespace, stop_event: threading.Event | None = None) ->
     if args.check_build:
         print(_check_build_text(args.verbose))
         return None
+    # --- elastic hook: --min-np/--max-np/--host-discovery-script go to the elastic driver
+    # (horovod/runner/elastic/driver.py); everything below is the static job.
+    from horovod.runner.elastic.driver import is_elastic, run_elastic
+
+    if is_elastic(args):
+        run_elastic(args, stop_event)
+        return None
+    # --- end of elastic hook
     _validate(args)
     start_timeout = args.start_timeout
     if start_timeout is None:
@@ -202,25 +210,39 @@ def _run(args: argparse.Namespace, stop_event: threading.Event | None = None) ->
     hosts = _resolve_hosts(args)
     # Unlike upstream's Gloo path (which starts every listed slot), exactly -np ranks are started.
     slots = hosts_mod.get_host_assignments(hosts, args.num_proc, args.num_proc)
-    remote = sorted({s.hostname for s in slots if not hosts_mod.is_local_host(s.hostname)})
-    if remote:
-        raise ValueError(f"Remote hosts are not supported yet (found {', '.join(remote)}); "
-                         "run on this host only (-H localhost:N).")
+    local_names = {s.hostname for s in slots if hosts_mod.is_local_host(s.hostname)}
+    remote = [h.hostname for h in hosts if any(s.hostname == h.hostname for s in slots)
+              and h.hostname not in local_names]
     knobs = knobs_mod.knob_env(args)
+    nics = _nics(args)
     if args.use_mpi:
-        return _run_mpi(args, hosts, knobs, start_timeout)
+        return _run_mpi(args, hosts, knobs, start_timeout, remote)
 
+    from horovod.runner import network
     from horovod.runner.rendezvous import RendezvousServer
 
+    ssh_options = None
+    if remote:
+        from horovod.runner import ssh
+
+        if args.verbose:
+            logger.info("Filtering local host names.")
+            logger.info("Remote host found: %s", " ".join(remote))
+        ssh_options = ssh.SshOptions(args.ssh_port, args.ssh_identity_file,
+                                     connect_timeout=max(1, min(10, start_timeout)))
+        ssh.check_hosts(remote, ssh_options)
+    iface = network.choose_interface(remote, nics)
+
     key = auth.make_secret_key()
-    store_addr = "127.0.0.1"
+    store_addr = iface.address
     server = RendezvousServer(key, addr=store_addr)
     port = server.start()
     try:
         command = _run_func_command(args, server, store_addr, port) if args.run_func else _command(args)
         base = dict(args.env if getattr(args, "env", None) is not None else os.environ)
-        nics = _nics(args)
+        cwd = os.getcwd()
         specs = [spawn.WorkerSpec(rank=s.rank, hostname=s.hostname, command=command,
+                                  cwd=None if s.hostname in local_names else cwd,
                                   env=worker_env(s, base=base, store_addr=store_addr, store_port=port,
                                                  key=key, knobs=knobs, start_timeout=start_timeout, nics=nics,
                                                  tcp=args.tcp_flag))
@@ -228,13 +250,24 @@ def _run(args: argparse.Namespace, stop_event: threading.Event | None = None) ->
         host_text = ",".join(f"{h.hostname}:{sum(1 for s in slots if s.hostname == h.hostname)}"
                              for h in hosts if any(s.hostname == h.hostname for s in slots))
         shown = command if isinstance(command, str) else shlex.join(command)
-        logger.info("horovodrun: starting %d rank%s on %s, transport: built-in (gloo-compatible, shm/tcp), "
-                    "rendezvous %s:%d: %s", len(specs), "" if len(specs) == 1 else "s", host_text,
-                    store_addr, port, shown)
+        logger.info("horovodrun: starting %d rank%s on %s (%s), network interface %s (%s), transport: "
+                    "built-in (gloo-compatible, shm/tcp), rendezvous %s:%d: %s", len(specs),
+                    "" if len(specs) == 1 else "s", host_text,
+                    f"remote over ssh: {', '.join(remote)}" if remote else "this host",
+                    iface.name, iface.address, store_addr, port, shown)
         started = time.monotonic()
         output = spawn.OutputOptions(prefix_timestamp=args.prefix_output_with_timestamp,
                                      output_dir=args.output_filename)
-        spawn.run_workers(specs, output=output, stop_event=stop_event)
+        spawner: spawn.Spawner = spawn.spawn_local
+        if ssh_options is not None:
+            from horovod.runner.ssh import SshSpawner
+
+            remote_spawn = SshSpawner(ssh_options)
+
+            def spawner(spec: spawn.WorkerSpec) -> Any:
+                return spawn.spawn_local(spec) if spec.hostname in local_names else remote_spawn(spec)
+
+        spawn.run_workers(specs, spawner=spawner, output=output, stop_event=stop_event)
         logger.info("horovodrun: all %d ranks exited successfully after %.1f s", len(specs),
                     time.monotonic() - started)
         if args.run_func:
@@ -271,7 +304,7 @@ def _collect_results(server: Any, size: int) -> list[Any]:
 
 
 def _run_mpi(args: argparse.Namespace, hosts: list[hosts_mod.HostInfo], knobs: dict[str, str],
-             start_timeout: int) -> list[Any] | None:
+             start_timeout: int, remote: Sequence[str] = ()) -> list[Any] | None:
     from horovod.runner import mpi_run
 
     env = dict(args.env if getattr(args, "env", None) is not None else os.environ)
@@ -291,12 +324,14 @@ def _run_mpi(args: argparse.Namespace, hosts: list[hosts_mod.HostInfo], knobs: d
         mpi_run.exec_mpirun(cmd, env)
         return None  # not reached
 
+    from horovod.runner.network import choose_interface
     from horovod.runner.rendezvous import RendezvousServer
 
     key = auth.make_secret_key()
-    with RendezvousServer(key) as server:
+    store_addr = choose_interface(remote, nics).address
+    with RendezvousServer(key, addr=store_addr) as server:
         env[auth.SECRET_KEY_ENV] = key.hex()
-        command_text = shlex.join(_run_func_command(args, server, "127.0.0.1", server.port))
+        command_text = shlex.join(_run_func_command(args, server, store_addr, server.port))
         cmd = mpi_run.mpi_command(args.num_proc, hosts, command_text, env, nics=nics,
                                   output_filename=args.output_filename, mpi_args=mpi_args, tcp=args.tcp_flag)
         mpi_run.run_mpirun(cmd, env)

@@ -106,9 +106,17 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
 
 
 def terminate_workers(procs: Sequence[subprocess.Popen], grace: float = TERMINATE_GRACE) -> None:
-    """SIGTERM every worker's process group, wait up to ``grace`` seconds, then SIGKILL the groups."""
+    """SIGTERM every worker's process group, wait up to ``grace`` seconds, then SIGKILL the groups.
+
+    A process with a ``soft_terminate()`` method (the ssh client of a remote worker) is asked with it
+    instead of SIGTERM, so that the remote side stops the worker's group before ssh exits.
+    """
     for proc in procs:
-        _signal_group(proc, signal.SIGTERM)
+        soft = getattr(proc, "soft_terminate", None)  # remote workers: close the ssh connection's stdin
+        if soft is not None:
+            soft()
+        else:
+            _signal_group(proc, signal.SIGTERM)
     deadline = time.monotonic() + grace
     for proc in procs:
         try:

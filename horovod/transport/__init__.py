@@ -6,6 +6,8 @@
 * ``tcp``: one member per host, shared memory disabled, or uneven hosts;
 * ``hierarchical``: several hosts with the same number of members each (shm inside, TCP between), unless
   ``config.hierarchical_allreduce`` is ``False``.
+* ``mpi``: the job was bootstrapped through MPI and ``HOROVOD_CPU_OPERATIONS`` is ``mpi`` (the default
+  there): ``init`` sets ``mesh.mpi_comm`` and :mod:`horovod.transport.mpi` moves the data.
 
 Backends are also available by name through :func:`get_backend` (``BACKENDS``).
 """
@@ -43,7 +45,13 @@ def _hierarchical(mesh: Mesh, ranks: list[int], config: RuntimeConfig) -> Commun
     return HierarchicalCommunicator(mesh, ranks, config)
 
 
-BACKENDS: dict[str, Factory] = {"shm": _shm, "tcp": _tcp, "hierarchical": _hierarchical}
+def _mpi(mesh: Mesh, ranks: list[int], config: RuntimeConfig) -> Communicator:
+    from horovod.transport.mpi import MpiCommunicator
+
+    return MpiCommunicator(mesh.mpi_comm, ranks)  # type: ignore[attr-defined]
+
+
+BACKENDS: dict[str, Factory] = {"shm": _shm, "tcp": _tcp, "hierarchical": _hierarchical, "mpi": _mpi}
 
 
 def get_backend(name: str) -> Factory:
@@ -61,6 +69,8 @@ def get_backend(name: str) -> Factory:
 
 def choose_backend(mesh: Mesh, ranks: list[int], config: RuntimeConfig) -> str:
     """The name of the backend :func:`make_communicator` uses for ``ranks`` (every member agrees)."""
+    if getattr(mesh, "mpi_comm", None) is not None:  # set by init under MPI with HOROVOD_CPU_OPERATIONS=mpi
+        return "mpi"
     per_host = collections.Counter(mesh.hostnames[r] for r in ranks)
     shm_ok = not (config.disable_shm or mesh.disable_shm)
     if len(per_host) == 1:

@@ -216,7 +216,7 @@ def test_version_and_errors():
     proc = horovodrun("-np", "1", "-H", "not_a_host_spec", "true")
     assert proc.returncode != 0 and "Invalid host input" in proc.stderr
     proc = horovodrun("-np", "1", "-H", "remote-host.invalid:1", "true")
-    assert proc.returncode != 0 and "not supported yet" in proc.stderr
+    assert proc.returncode != 0 and "could not connect to some hosts via ssh: remote-host.invalid" in proc.stderr
     proc = horovodrun("-np", "1", "--cache-capacity", "-2", "true")
     assert proc.returncode != 0 and "cache_capacity=-2 must be >= 0" in proc.stderr
 

@@ -194,7 +194,7 @@ def test_make_communicator_choice():
 def test_registry_lists_backends():
     from horovod.transport import get_backend
 
-    with pytest.raises(ValueError, match="hierarchical, shm, tcp"):
+    with pytest.raises(ValueError, match="hierarchical, mpi, shm, tcp"):
         get_backend("nccl")
 
 

@@ -1,0 +1,182 @@
+"""Remote workers over ssh: the reachability check and the spawner the supervisor plugs in.
+
+Each remote worker is one ``ssh`` client process on the launcher's host.  On the remote host ssh runs a small
+Python wrapper (the same interpreter path as the launcher's, as upstream assumes one environment on every
+host) that reads the worker's description -- working directory, command, environment including the job key
+-- as one JSON line from its stdin, so nothing secret shows up in ``ps`` on either host.  The wrapper starts
+the worker in its own process group and keeps reading its stdin: end of file means the ssh connection is
+gone (the launcher closed it, was killed, or the network broke), and the wrapper then terminates the whole
+remote process group (SIGTERM, a grace period, SIGKILL).  It also kills what is left of the group when the
+worker exits, so no remote process outlives the job.  The worker's stdout/stderr are the ssh channel's, and
+the supervisor prefixes them per rank exactly as local output.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import json
+import logging
+import os
+import shlex
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+
+from horovod.runner.mpi_run import is_exportable
+from horovod.runner.spawn import TERMINATE_GRACE, WorkerSpec
+
+__all__ = ["SshOptions", "ssh_command", "check_hosts", "SshSpawner", "remote_env", "REMOTE_WRAPPER"]
+
+logger = logging.getLogger(__name__)
+
+# Host-specific variables of the launcher's session that must not be replayed on another host.
+_NOT_REMOTE = {"HOSTNAME", "SSH_CLIENT", "SSH_CONNECTION", "SSH_TTY", "SSH_AUTH_SOCK", "DISPLAY", "TERM",
+               "XDG_RUNTIME_DIR", "XDG_SESSION_ID"}
+
+REMOTE_WRAPPER = r"""
+import json, os, signal, subprocess, sys, threading, time
+cfg = json.loads(sys.stdin.buffer.readline())
+host = os.uname().nodename
+try:
+    os.chdir(cfg["cwd"])
+except OSError as e:
+    sys.stderr.write("horovodrun: cannot change to %s on %s: %s\n" % (cfg["cwd"], host, e))
+    sys.exit(127)
+cmd = cfg["command"]
+argv = ["/bin/sh", "-c", cmd] if isinstance(cmd, str) else cmd
+try:
+    p = subprocess.Popen(argv, env=cfg["env"], stdin=subprocess.DEVNULL, start_new_session=True)
+except OSError as e:
+    sys.stderr.write("horovodrun: cannot start %s on %s: %s\n" % (argv[0], host, e))
+    sys.exit(127)
+lock = threading.Lock()
+def kill_group(grace):
+    with lock:
+        try:
+            os.killpg(p.pid, signal.SIGTERM)
+        except OSError:
+            return
+        end = time.monotonic() + grace
+        while p.poll() is None and time.monotonic() < end:
+            time.sleep(0.02)
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except OSError:
+            pass
+def on_signal(signum, frame):
+    kill_group(cfg["grace"])
+    os._exit(128 + signum)
+for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+    signal.signal(s, on_signal)
+def watch():
+    while sys.stdin.buffer.read1(65536):
+        pass
+    kill_group(cfg["grace"])
+threading.Thread(target=watch, daemon=True).start()
+rc = p.wait()
+kill_group(0)
+sys.stdout.flush()
+os._exit(rc if rc >= 0 else 128 - rc)
+"""
+
+
+@dataclasses.dataclass(frozen=True)
+class SshOptions:
+    """How to reach the hosts: ``-p/--ssh-port``, ``-i/--ssh-identity-file`` and the connect timeout."""
+
+    port: int | None = None
+    identity_file: str | None = None
+    connect_timeout: int = 10
+
+
+def ssh_command(host: str, options: SshOptions, remote_command: str | None = None) -> list[str]:
+    """The ssh argv for ``host`` (batch mode: never prompts; dead connections noticed within ~15 s)."""
+    argv = ["ssh", "-o", "BatchMode=yes", "-o", "PasswordAuthentication=no", "-o", "StrictHostKeyChecking=no",
+            "-o", "LogLevel=ERROR", "-o", f"ConnectTimeout={max(1, int(options.connect_timeout))}",
+            "-o", "ServerAliveInterval=5", "-o", "ServerAliveCountMax=3"]
+    if options.port:
+        argv += ["-p", str(options.port)]
+    if options.identity_file:
+        argv += ["-i", options.identity_file]
+    argv.append(host)
+    if remote_command is not None:
+        argv.append(remote_command)
+    return argv
+
+
+def _check_one(host: str, options: SshOptions, attempts: int) -> str | None:
+    reason = "unknown error"
+    for _ in range(attempts):
+        try:
+            proc = subprocess.run(ssh_command(host, options, "true"), stdin=subprocess.DEVNULL,
+                                  capture_output=True, text=True, timeout=options.connect_timeout + 5)
+        except subprocess.TimeoutExpired:
+            reason = f"no answer within {options.connect_timeout + 5} s"
+            continue
+        except OSError as e:
+            return f"cannot run ssh: {e}"
+        if proc.returncode == 0:
+            return None
+        lines = [line for line in proc.stderr.splitlines() if line.strip()]
+        reason = lines[-1] if lines else f"ssh exited with status {proc.returncode}"
+        if "Connection refused" in reason or "Could not resolve" in reason or "Permission denied" in reason:
+            break  # retrying cannot help and the user should hear about it at once
+    return reason
+
+
+def check_hosts(hosts: Sequence[str], options: SshOptions, attempts: int = 2) -> None:
+    """Run ``ssh <host> true`` on every host in parallel before any worker starts.
+
+    Raises:
+        RuntimeError: some hosts cannot be reached; the message names each one with ssh's reason.
+    """
+    if not hosts:
+        return
+    with concurrent.futures.ThreadPoolExecutor(max_workers=min(32, len(hosts))) as pool:
+        reasons = dict(zip(hosts, pool.map(lambda h: _check_one(h, options, attempts), hosts)))
+    failed = {h: r for h, r in reasons.items() if r is not None}
+    if failed:
+        details = "; ".join(f"{h}: {r}" for h, r in failed.items())
+        raise RuntimeError(f"could not connect to some hosts via ssh: {details}. "
+                           "Check that sshd runs there and accepts key authentication "
+                           "(-p/--ssh-port, -i/--ssh-identity-file).")
+
+
+def remote_env(env: Mapping[str, str]) -> dict[str, str]:
+    """The part of a worker's environment that is sent to a remote host (upstream's exportable set)."""
+    return {k: v for k, v in env.items() if is_exportable(k) and k not in _NOT_REMOTE}
+
+
+class _SshProcess(subprocess.Popen):
+    """The ssh client of one remote worker; stopping it gently means closing its stdin."""
+
+    def soft_terminate(self) -> None:
+        """Ask the remote wrapper to stop the worker (it sees end of file) and let ssh exit by itself."""
+        try:
+            if self.stdin is not None:
+                self.stdin.close()
+        except OSError:
+            pass
+
+
+class SshSpawner:
+    """Start a :class:`WorkerSpec` on ``spec.hostname`` over ssh (a spawner for ``spawn.run_workers``)."""
+
+    def __init__(self, options: SshOptions, python: str | None = None,
+                 grace: float = max(1.0, TERMINATE_GRACE - 1.0)) -> None:
+        self.options = options
+        self.python = python or sys.executable
+        self.grace = grace
+
+    def __call__(self, spec: WorkerSpec) -> subprocess.Popen:
+        payload = {"cwd": spec.cwd or os.getcwd(), "command": spec.command if isinstance(spec.command, str)
+                   else list(spec.command), "env": remote_env(spec.env), "grace": self.grace}
+        remote = f"{shlex.quote(self.python)} -u -c {shlex.quote(REMOTE_WRAPPER)}"
+        proc = _SshProcess(ssh_command(spec.hostname, self.options, remote), stdin=subprocess.PIPE,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+        assert proc.stdin is not None
+        proc.stdin.write(json.dumps(payload).encode() + b"\n")
+        proc.stdin.flush()
+        logger.debug("rank %d: ssh %s (pid %d)", spec.rank, spec.hostname, proc.pid)
+        return proc

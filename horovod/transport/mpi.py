@@ -1,0 +1,376 @@
+"""MPI as bootstrap and data plane: jobs started by ``mpirun``, ``srun`` or ``hvd.init(comm=...)``.
+
+Design (docs/running.md has the user's view):
+
+* **Launch detection** (:func:`detect_launch`): Open MPI (``OMPI_COMM_WORLD_*``), MPICH/Hydra and Intel MPI
+  (``PMI_RANK``/``PMI_SIZE``, ``MPI_LOCALRANKID``/``MPI_LOCALNRANKS``) and Slurm steps (``SLURM_PROCID``,
+  ``SLURM_STEP_NUM_TASKS``/``SLURM_NTASKS``, ``SLURM_LOCALID``).  ``horovodrun``'s own ``HOROVOD_RANK`` wins.
+* **Bootstrap through MPI**: the rank layout comes from the job's communicator (a private duplicate of
+  ``COMM_WORLD``, of the user's communicator, or of the group of the listed ranks), ``local`` ranks from
+  ``Split_type(COMM_TYPE_SHARED)``; rank 0 makes the job key and broadcasts it; the addresses of the mesh
+  are exchanged with ``allgather`` (:class:`MpiStore`) instead of the launcher's HTTP store.
+* **Control plane**: stays on the mesh's authenticated sockets (the engine waits on them with ``select``,
+  which MPI cannot offer without polling).
+* **Data plane**: :class:`MpiCommunicator` runs the collectives with mpi4py's buffer interface
+  (``Allreduce``, ``Allgatherv``, ``Bcast``, ``Alltoallv``, ``Reduce_scatter``, ``Barrier``) on one
+  sub-communicator per process set, created by the set's members only (``Create_group``).  float16 and
+  bfloat16, which MPI has no type for, are reduced by a user-defined op over 16-bit words.
+
+MPI is initialised with ``MPI_THREAD_MULTIPLE`` (the engine thread and the user's own mpi4py calls may run
+at the same time, on different communicators) unless ``HOROVOD_MPI_THREADS_DISABLE=1``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import socket
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from horovod.transport.communicator import Communicator, ReduceOp
+
+__all__ = ["LaunchEnv", "detect_launch", "import_mpi", "MpiJob", "MpiStore", "MpiCommunicator",
+           "mpi_job", "mpi_available"]
+
+logger = logging.getLogger(__name__)
+
+
+# ------------------------------------------------------------------------------------------ launch detection
+@dataclasses.dataclass(frozen=True)
+class LaunchEnv:
+    """What a process launcher says about this process (before MPI is initialised)."""
+
+    kind: str  # "openmpi", "mpich" (PMI) or "slurm"
+    rank: int
+    size: int
+    local_rank: int | None = None
+    local_size: int | None = None
+
+
+def _int(env: Mapping[str, str], name: str) -> int | None:
+    text = env.get(name, "").strip()
+    return int(text) if text.lstrip("-").isdigit() else None
+
+
+def _slurm_tasks_on_node(spec: str, node_id: int) -> int | None:
+    """``SLURM_STEP_TASKS_PER_NODE`` ("2(x3),1") expanded, entry ``node_id``."""
+    counts: list[int] = []
+    for part in spec.split(","):
+        part = part.strip()
+        if "(x" in part:
+            n, rep = part.rstrip(")").split("(x")
+            counts += [int(n)] * int(rep)
+        elif part.isdigit():
+            counts.append(int(part))
+    return counts[node_id] if 0 <= node_id < len(counts) else None
+
+
+def detect_launch(env: Mapping[str, str] | None = None) -> LaunchEnv | None:
+    """The MPI/Slurm launcher that started this process, from its environment; None for others.
+
+    ``horovodrun`` (Gloo-style) workers have ``HOROVOD_RANK`` and are never reported as MPI launches.
+    A Slurm batch script (no ``srun`` step: no ``SLURM_STEP_NUM_TASKS``) is not a launch either.
+    """
+    env = os.environ if env is None else env
+    if env.get("HOROVOD_RANK"):
+        return None
+    rank, size = _int(env, "OMPI_COMM_WORLD_RANK"), _int(env, "OMPI_COMM_WORLD_SIZE")
+    if rank is not None and size is not None:
+        return LaunchEnv("openmpi", rank, size, _int(env, "OMPI_COMM_WORLD_LOCAL_RANK"),
+                         _int(env, "OMPI_COMM_WORLD_LOCAL_SIZE"))
+    rank, size = _int(env, "PMI_RANK"), _int(env, "PMI_SIZE")
+    if rank is not None and size is not None:
+        return LaunchEnv("mpich", rank, size, _int(env, "MPI_LOCALRANKID"), _int(env, "MPI_LOCALNRANKS"))
+    rank = _int(env, "SLURM_PROCID")
+    size = _int(env, "SLURM_STEP_NUM_TASKS")
+    if rank is not None and size is not None:
+        node = _int(env, "SLURM_NODEID")
+        per_node = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE") or ""
+        local_size = _slurm_tasks_on_node(per_node, node) if node is not None else None
+        return LaunchEnv("slurm", rank, size, _int(env, "SLURM_LOCALID"), local_size)
+    return None
+
+
+def mpi_available() -> bool:
+    """Whether mpi4py can be imported (without initialising MPI)."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec("mpi4py") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def import_mpi(threads: bool = True) -> Any:
+    """``mpi4py.MPI``, initialising MPI with ``THREAD_MULTIPLE`` (``SERIALIZED`` when ``threads`` is False)
+    unless the application initialised it already."""
+    import mpi4py
+
+    if "mpi4py.MPI" not in __import__("sys").modules:
+        mpi4py.rc.thread_level = "multiple" if threads else "serialized"
+    from mpi4py import MPI
+
+    if not MPI.Is_initialized():
+        MPI.Init_thread(MPI.THREAD_MULTIPLE if threads else MPI.THREAD_SERIALIZED)
+    if threads and MPI.Query_thread() < MPI.THREAD_MULTIPLE:
+        logger.warning("MPI provides thread level %d, not MPI_THREAD_MULTIPLE: do not call MPI from other "
+                       "threads while Horovod runs", MPI.Query_thread())
+    return MPI
+
+
+# ------------------------------------------------------------------------------------------ bootstrap
+class MpiStore:
+    """The rendezvous store's ``put``/``get`` over one ``allgather``: every rank puts exactly once, then gets.
+
+    ``build_mesh`` publishes one address record per rank and reads everybody else's; the first ``get`` after
+    the ``put`` is the collective point.  ``addr`` is a host the mesh may probe a route to (see
+    ``mesh.advertise_address``).
+    """
+
+    def __init__(self, comm: Any, addr: str | None = None) -> None:
+        self.comm = comm
+        self.addr = addr
+        self._mine: tuple[str, bytes] | None = None
+        self._all: dict[str, bytes] | None = None
+
+    def put(self, key: str, value: bytes) -> None:
+        self._mine = (key, bytes(value))
+        self._all = None
+
+    def get(self, key: str, timeout: float | None = None) -> bytes:
+        if self._all is None:
+            if self._mine is None:
+                raise RuntimeError("MpiStore.get before put: every rank must publish first")
+            self._all = dict(self.comm.allgather(self._mine))
+        return self._all[key]
+
+
+def _local_ipv4() -> list[str]:
+    try:
+        import psutil
+
+        return [e.address for entries in psutil.net_if_addrs().values() for e in entries
+                if e.family == socket.AF_INET and not e.address.startswith("127.")]
+    except Exception:  # noqa: BLE001 - psutil missing: no candidates, the mesh falls back to the hostname
+        return []
+
+
+def _iface_address(name: str) -> str | None:
+    try:
+        import psutil
+
+        for e in psutil.net_if_addrs().get(name, []):
+            if e.family == socket.AF_INET:
+                return e.address
+    except Exception:  # noqa: BLE001
+        pass
+    return None
+
+
+@dataclasses.dataclass
+class MpiJob:
+    """The job's communicator and this process's place in it."""
+
+    comm: Any  # mpi4py.MPI.Intracomm, private to Horovod
+    rank: int
+    size: int
+    local_rank: int
+    local_size: int
+    cross_rank: int
+    cross_size: int
+    hostname: str
+    key: bytes
+    iface_addr: str
+    threads: bool
+
+    def close(self) -> None:
+        try:
+            self.comm.Free()
+        except Exception:  # noqa: BLE001 - MPI may already be finalised at exit
+            pass
+
+
+def mpi_job(comm: Any = None, *, threads: bool = True, iface: str | None = None) -> MpiJob | None:
+    """Set up the job's communicator: ``comm`` is None (``COMM_WORLD``), an mpi4py communicator, or a list
+    of ``COMM_WORLD`` ranks.  Collective over the job's ranks.
+
+    Returns None on a ``COMM_WORLD`` rank that is not in the list (it takes no part in the job).
+    """
+    MPI = import_mpi(threads)
+    if comm is None:
+        job = MPI.COMM_WORLD.Dup()
+    elif isinstance(comm, (list, tuple)):
+        ranks = sorted({int(r) for r in comm})
+        world = MPI.COMM_WORLD
+        if not ranks:
+            job = world.Dup()
+        else:
+            bad = [r for r in ranks if r < 0 or r >= world.Get_size()]
+            if bad:
+                raise ValueError(f"hvd.init(comm={list(comm)}): ranks {bad} are not in MPI_COMM_WORLD "
+                                 f"(size {world.Get_size()})")
+            if world.Get_rank() not in ranks:
+                return None
+            group = world.Get_group().Incl(ranks)
+            job = world.Create_group(group, tag=7001)
+            group.Free()
+    else:
+        job = comm.Dup()
+    rank, size = job.Get_rank(), job.Get_size()
+    local = job.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
+    local_rank, local_size = local.Get_rank(), local.Get_size()
+    cross = job.Split(color=local_rank, key=rank)
+    cross_rank, cross_size = cross.Get_rank(), cross.Get_size()
+    node_leader = local.bcast(rank, root=0)
+    local.Free()
+    cross.Free()
+    key = job.bcast(os.urandom(32) if rank == 0 else None, root=0)
+    hostname = MPI.Get_processor_name()
+    names = job.allgather(hostname)
+    leaders = job.allgather(node_leader)
+    # One node name on distinct nodes (containers, namespaces) must not make the mesh treat them as one host.
+    if any(n == hostname and lead != node_leader for n, lead in zip(names, leaders)):
+        hostname = f"{hostname}#{node_leader}"
+    candidates = job.allgather(_local_ipv4())
+    iface_addr = _choose_address(rank, leaders, candidates, iface)
+    return MpiJob(job, rank, size, local_rank, local_size, cross_rank, cross_size, hostname, key, iface_addr,
+                  MPI.Query_thread() >= MPI.THREAD_MULTIPLE)
+
+
+def _choose_address(rank: int, leaders: list[int], candidates: list[list[str]], iface: str | None) -> str:
+    """The address this rank listens on: the named interface, loopback for a one-node job, else the source
+    address of the route to another node."""
+    if iface:
+        addr = _iface_address(iface)
+        if addr:
+            return addr
+        logger.warning("HOROVOD_GLOO_IFACE=%s has no IPv4 address on this host; choosing by route", iface)
+    mine = leaders[rank]
+    others = [c for r, c in enumerate(candidates) if leaders[r] != mine and c]
+    if not others:
+        return "127.0.0.1"
+    from horovod.transport.mesh import advertise_address
+
+    return advertise_address(None, others[0][0])
+
+
+# ------------------------------------------------------------------------------------------ data plane
+_BF16_NAME = "bfloat16"
+
+
+def _mpi_op(MPI: Any, op: ReduceOp, dtype: np.dtype) -> Any:
+    if dtype == np.bool_:
+        return {ReduceOp.SUM: MPI.LOR, ReduceOp.MAX: MPI.LOR, ReduceOp.MIN: MPI.LAND,
+                ReduceOp.PRODUCT: MPI.LAND}[op]
+    return {ReduceOp.SUM: MPI.SUM, ReduceOp.MIN: MPI.MIN, ReduceOp.MAX: MPI.MAX, ReduceOp.PRODUCT: MPI.PROD}[op]
+
+
+_USER_OPS: dict[tuple[str, ReduceOp], Any] = {}
+
+
+def _half_op(MPI: Any, op: ReduceOp, dtype: np.dtype) -> Any:
+    """A user-defined MPI op reducing 16-bit floats (sent as ``MPI_UINT16_T``) with numpy."""
+    key = (dtype.str if dtype.name != _BF16_NAME else _BF16_NAME, op)
+    user = _USER_OPS.get(key)
+    if user is None:
+        from horovod.transport.communicator import apply_reduce
+
+        def reduce(inbuf: Any, outbuf: Any, datatype: Any) -> None:
+            a = np.frombuffer(inbuf, dtype=dtype)
+            b = np.frombuffer(outbuf, dtype=dtype)
+            apply_reduce(op, b, a)
+
+        user = MPI.Op.Create(reduce, commute=True)
+        _USER_OPS[key] = user
+    return user
+
+
+class MpiCommunicator(Communicator):
+    """Collectives among ``ranks`` of the job's communicator with mpi4py buffer calls.
+
+    Raises:
+        ValueError: this rank is not in ``ranks``.
+    """
+
+    def __init__(self, job_comm: Any, ranks: list[int]) -> None:
+        from mpi4py import MPI
+
+        self.MPI = MPI
+        self.ranks = sorted(int(r) for r in ranks)
+        me = job_comm.Get_rank()
+        if me not in self.ranks:
+            raise ValueError(f"rank {me} is not a member of {self.ranks}")
+        self.rank, self.size = self.ranks.index(me), len(self.ranks)
+        self._owned = self.ranks != list(range(job_comm.Get_size()))
+        if self._owned:
+            group = job_comm.Get_group().Incl(self.ranks)
+            self.comm = job_comm.Create_group(group, tag=7002)
+            group.Free()
+        else:
+            self.comm = job_comm
+
+    def _buf(self, arr: np.ndarray) -> list[Any]:
+        dtype = arr.dtype
+        if dtype.itemsize == 2 and dtype.kind not in "iu":  # float16, bfloat16: MPI has no such type
+            return [arr.view(np.uint16), self.MPI.UINT16_T]
+        return [arr, self.MPI.Datatype.fromcode(dtype.char) if dtype != np.bool_ else self.MPI.C_BOOL]
+
+    def _op(self, op: ReduceOp, dtype: np.dtype) -> Any:
+        if dtype.itemsize == 2 and dtype.kind not in "iu":
+            return _half_op(self.MPI, op, dtype)
+        return _mpi_op(self.MPI, op, dtype)
+
+    def allreduce(self, inp: np.ndarray, out: np.ndarray, op: ReduceOp) -> None:
+        if inp.size == 0:
+            return
+        send = self.MPI.IN_PLACE if inp is out or np.shares_memory(inp, out) else self._buf(inp)
+        if send is self.MPI.IN_PLACE and inp is not out:
+            out[...] = inp
+        self.comm.Allreduce(send, self._buf(out), op=self._op(op, inp.dtype))
+
+    def allgatherv(self, inp: np.ndarray, out: np.ndarray, counts: list[int]) -> None:
+        displs = np.concatenate([[0], np.cumsum(counts[:-1])]).astype(int).tolist()
+        buf, dtype = self._buf(out)
+        send = self._buf(inp)
+        self.comm.Allgatherv(send, [buf, list(counts), displs, dtype])
+
+    def broadcast(self, buf: np.ndarray, root: int) -> None:
+        if buf.size:
+            self.comm.Bcast(self._buf(buf), root=root)
+
+    def alltoallv(self, inp: np.ndarray, send_counts: list[int], out: np.ndarray,
+                  recv_counts: list[int]) -> None:
+        sd = np.concatenate([[0], np.cumsum(send_counts[:-1])]).astype(int).tolist()
+        rd = np.concatenate([[0], np.cumsum(recv_counts[:-1])]).astype(int).tolist()
+        sbuf, stype = self._buf(inp)
+        rbuf, rtype = self._buf(out)
+        self.comm.Alltoallv([sbuf, list(send_counts), sd, stype], [rbuf, list(recv_counts), rd, rtype])
+
+    def reducescatterv(self, inp: np.ndarray, out: np.ndarray, counts: list[int], op: ReduceOp) -> None:
+        if sum(counts) == 0:
+            return
+        self.comm.Reduce_scatter(self._buf(inp), self._buf(out), list(counts), op=self._op(op, inp.dtype))
+
+    def barrier(self) -> None:
+        self.comm.Barrier()
+
+    def close(self) -> None:
+        if self._owned:
+            try:
+                self.comm.Free()
+            except Exception:  # noqa: BLE001 - MPI may be finalised already
+                pass
+
+
+def describe(job: MpiJob) -> str:
+    """One line for logs: library, thread level, layout."""
+    from mpi4py import MPI
+
+    return json.dumps({"library": MPI.Get_library_version().splitlines()[0], "threads": job.threads,
+                       "rank": job.rank, "size": job.size, "local_size": job.local_size,
+                       "cross_size": job.cross_size, "addr": job.iface_addr})

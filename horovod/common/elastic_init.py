@@ -1,0 +1,194 @@
+"""Elastic rank assignment: what ``basics.init()`` does first when ``HOROVOD_ELASTIC=1``.
+
+The elastic driver (``horovod.runner.elastic.driver``) numbers its rank assignments by *generation* and
+publishes them in the rendezvous store (docs/elastic.md has the whole protocol):
+
+=====================================  ===========================================================
+``elastic/generation``                 ``"<g> <hosts_ts>"``: the current generation, and the newest
+                                       host-update notice its assignment already reflects
+``elastic/assign.<g>/<slot>``          ``"rank,size,local_rank,local_size,cross_rank,cross_size"``
+                                       (rank ``-1``: the slot is not part of generation g)
+``elastic/reset.<g>``                  present once the driver has decided that generation g is over
+``elastic/ready.<g>/<slot>``           written by a worker that left generation g (failed collective,
+                                       host-update interrupt, or a mesh that could not be built)
+=====================================  ===========================================================
+
+A slot is ``<host>:<local_rank>`` as the driver started the worker (``HOROVOD_ELASTIC_SLOT``).  A worker
+joins the current generation on its first ``init()`` and, on every later ``init()``, announces that it left
+the one it used and waits for a newer one.  It then sets ``HOROVOD_RANK`` ... from its assignment and builds
+the mesh in the scope ``elastic.<g>``; if the generation ends meanwhile (a peer died before the mesh was
+complete) it leaves and waits for the next one instead of failing.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any
+
+from horovod.common import auth
+from horovod.common.config import env_float
+
+__all__ = ["rendezvous", "hosts_baseline", "current_generation", "slot_name", "REMOVED_MESSAGE"]
+
+logger = logging.getLogger(__name__)
+
+REMOVED_MESSAGE = "{host}[{local_rank}] has been removed from elastic job"
+"""Upstream's error when a re-initialising worker's slot is no longer part of the job."""
+
+GENERATION_KEY = "elastic/generation"
+_POLL = 0.1
+
+_last_generation: int | None = None
+_hosts_baseline: float = 0.0
+
+
+class _GenerationEnded(Exception):
+    """The driver ended the generation this worker was joining."""
+
+
+def slot_name() -> str:
+    """This worker's slot as the driver started it (``host:local_rank``)."""
+    slot = os.environ.get("HOROVOD_ELASTIC_SLOT")
+    if slot:
+        return slot
+    return f"{os.environ.get('HOROVOD_HOSTNAME', 'localhost')}:{os.environ.get('HOROVOD_LOCAL_RANK', '0')}"
+
+
+def hosts_baseline() -> float:
+    """Timestamp of the newest host-update notice that this worker's assignment already includes."""
+    return _hosts_baseline
+
+
+def current_generation() -> int | None:
+    """The generation this process last joined (None before the first elastic ``init``)."""
+    return _last_generation
+
+
+def _exists(store: Any, key: str) -> bool:
+    from horovod.transport.store import StoreError
+
+    try:
+        store.get(key, timeout=0)
+        return True
+    except StoreError as e:
+        if str(e).startswith("timed out waiting"):
+            return False
+        raise
+
+
+def _read_generation(store: Any) -> tuple[int, float] | None:
+    from horovod.transport.store import StoreError
+
+    try:
+        text = store.get(GENERATION_KEY, timeout=0).decode()
+    except StoreError as e:
+        if str(e).startswith("timed out waiting"):
+            return None
+        raise
+    g, _, ts = text.partition(" ")
+    return int(g), float(ts or 0)
+
+
+def _wait_generation(store: Any, after: int | None, deadline: float) -> tuple[int, float]:
+    while True:
+        found = _read_generation(store)
+        if found is not None and (after is None or found[0] > after):
+            return found
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"Timed out waiting for the elastic driver to assign a rank to {slot_name()} "
+                               "(HOROVOD_ELASTIC_TIMEOUT); is the driver still running?")
+        time.sleep(_POLL)
+
+
+def _leave(store: Any, generation: int, why: str) -> None:
+    try:
+        store.put(f"elastic/ready.{generation}/{slot_name()}", why.encode()[:1000])
+    except Exception as e:  # noqa: BLE001 - the driver also notices through our exit or its grace deadline
+        logger.warning("elastic: could not report leaving generation %d: %s", generation, e)
+
+
+class _AbortableStore:
+    """The store as ``build_mesh`` sees it: waits end early when the driver ends the generation."""
+
+    def __init__(self, store: Any, generation: int) -> None:
+        self._store = store
+        self._reset_key = f"elastic/reset.{generation}"
+        self.addr = getattr(store, "addr", None)
+
+    def put(self, key: str, value: bytes) -> None:
+        self._store.put(key, value)
+
+    def delete(self, key: str) -> None:
+        self._store.delete(key)
+
+    def get(self, key: str, timeout: float | None = None) -> bytes:
+        from horovod.transport.store import StoreError
+
+        deadline = time.monotonic() + (30.0 if timeout is None else timeout)
+        while True:
+            try:
+                return self._store.get(key, timeout=min(0.5, max(0.0, deadline - time.monotonic())))
+            except StoreError:
+                if time.monotonic() >= deadline:
+                    raise
+            if _exists(self._store, self._reset_key):
+                raise _GenerationEnded(self._reset_key)
+
+
+def rendezvous() -> Any:
+    """Get this worker's rank from the driver, export it as ``HOROVOD_RANK`` ..., and build the mesh.
+
+    Returns:
+        The :class:`horovod.transport.mesh.Mesh` for a world larger than one, else None.
+
+    Raises:
+        RuntimeError: this worker's slot was removed from the job (upstream's text), or no assignment came
+            within ``HOROVOD_ELASTIC_TIMEOUT`` seconds.
+    """
+    global _last_generation, _hosts_baseline
+    from horovod.transport import build_mesh
+    from horovod.transport.store import StoreClient
+
+    addr = os.environ["HOROVOD_GLOO_RENDEZVOUS_ADDR"]
+    port = int(os.environ["HOROVOD_GLOO_RENDEZVOUS_PORT"])
+    key = auth.secret_key_from_env()
+    if key is None:
+        raise ValueError("Horovod elastic initialization failed: no job key in the environment. Start the job "
+                         "with horovodrun.")
+    store = StoreClient(addr, port, key, timeout=10.0)
+    deadline = time.monotonic() + env_float("HOROVOD_ELASTIC_TIMEOUT", 600.0)
+    start_timeout = env_float("HOROVOD_START_TIMEOUT", 30.0)
+    slot = slot_name()
+    host, _, local_rank = slot.rpartition(":")
+    if _last_generation is not None:
+        _leave(store, _last_generation, "re-initialising")
+    while True:
+        generation, hosts_ts = _wait_generation(store, _last_generation, deadline)
+        _last_generation = generation
+        if _exists(store, f"elastic/reset.{generation}"):
+            _leave(store, generation, "joined a generation that was already ending")
+            continue
+        fields = [int(x) for x in store.get(f"elastic/assign.{generation}/{slot}", timeout=30.0).split(b",")]
+        rank, size, lrank, lsize, crank, csize = fields
+        if rank < 0:
+            raise RuntimeError(REMOVED_MESSAGE.format(host=host, local_rank=local_rank))
+        os.environ.update({
+            "HOROVOD_RANK": str(rank), "HOROVOD_SIZE": str(size), "HOROVOD_LOCAL_RANK": str(lrank),
+            "HOROVOD_LOCAL_SIZE": str(lsize), "HOROVOD_CROSS_RANK": str(crank), "HOROVOD_CROSS_SIZE": str(csize),
+            "HOROVOD_HOSTNAME": host,
+        })
+        logger.info("elastic: %s is rank %d of %d in generation %d", slot, rank, size, generation)
+        if size == 1:
+            _hosts_baseline = hosts_ts
+            return None
+        try:
+            mesh = build_mesh(rank, size, host, _AbortableStore(store, generation), key,
+                              scope=f"elastic.{generation}", timeout=start_timeout)
+        except Exception as e:  # noqa: BLE001 - a peer vanished while we met: leave, wait for the next round
+            logger.warning("elastic: could not build the mesh of generation %d: %s", generation, e)
+            _leave(store, generation, f"mesh failed: {e}")
+            continue
+        _hosts_baseline = hosts_ts
+        return mesh

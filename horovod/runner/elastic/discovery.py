@@ -1,0 +1,141 @@
+"""Where the elastic driver learns which hosts exist, and which of them it no longer trusts.
+
+``HostDiscoveryScript`` runs ``--host-discovery-script`` (stdout lines ``host`` or ``host:slots``);
+``FixedHosts`` stands for ``-H``/``--hostfile``.  ``HostManager`` keeps hosts in order of first discovery
+(so that old hosts keep low ranks) and applies the blacklist: a host whose worker failed is excluded, for
+good without ``--blacklist-cooldown-range``, else for ``lo * 2**count + U(0, 1) * lo`` seconds clamped to
+``[lo, hi]`` (upstream's rule).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import random
+import subprocess
+import time
+from collections.abc import Callable
+
+from horovod.runner.hosts import HostInfo
+
+__all__ = ["HostDiscovery", "HostDiscoveryScript", "FixedHosts", "HostManager", "DISCOVER_HOSTS_FREQUENCY_SECS"]
+
+logger = logging.getLogger(__name__)
+
+DISCOVER_HOSTS_FREQUENCY_SECS = 1.0
+
+
+class HostDiscovery:
+    """Source of the current hosts and their slots."""
+
+    def find_available_hosts_and_slots(self) -> dict[str, int]:
+        """Returns ``{host: slots}``.
+
+        Raises:
+            RuntimeError: the source failed (upstream's text for a failing script).
+        """
+        raise NotImplementedError
+
+
+class HostDiscoveryScript(HostDiscovery):
+    """Runs the user's script; a bare ``host`` line gets ``slots`` slots."""
+
+    def __init__(self, script: str, slots: int | None, timeout: float = 30.0) -> None:
+        self.script = script
+        self.slots = slots or 1
+        self.timeout = timeout
+
+    def find_available_hosts_and_slots(self) -> dict[str, int]:
+        try:
+            proc = subprocess.run(self.script, shell=True, capture_output=True,
+                                  timeout=self.timeout, stdin=subprocess.DEVNULL)
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(f"Failed to execute discovery script: {self.script}. Exit code: timed out "
+                               f"after {self.timeout:.0f} s") from None
+        if proc.returncode != 0:
+            raise RuntimeError(f"Failed to execute discovery script: {self.script}. Exit code: {proc.returncode}")
+        hosts: dict[str, int] = {}
+        for raw in proc.stdout.decode(errors="replace").splitlines():
+            line = raw.strip()
+            if not line:
+                continue
+            if ":" in line:
+                info = HostInfo.from_string(line)
+                hosts[info.hostname] = info.slots
+            else:
+                hosts[line] = self.slots
+        return hosts
+
+
+class FixedHosts(HostDiscovery):
+    """``-H``/``--hostfile`` in elastic mode: the hosts never change (only the blacklist does)."""
+
+    def __init__(self, hosts: list[HostInfo]) -> None:
+        self._hosts = {h.hostname: h.slots for h in hosts}
+
+    def find_available_hosts_and_slots(self) -> dict[str, int]:
+        return dict(self._hosts)
+
+
+@dataclasses.dataclass
+class _Blacklisted:
+    count: int
+    until: float  # monotonic time; inf = forever
+
+
+class HostManager:
+    """Discovered hosts in order of first discovery, minus blacklisted ones."""
+
+    def __init__(self, discovery: HostDiscovery, cooldown_range: tuple[int, int] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if cooldown_range is not None:
+            lo, hi = cooldown_range
+            if lo < 1 or hi > 3600 or lo > hi:
+                raise ValueError(f"--blacklist-cooldown-range {lo} {hi}: need 1 <= min <= max <= 3600")
+        self.discovery = discovery
+        self.cooldown_range = cooldown_range
+        self._clock = clock
+        self._order: list[str] = []
+        self._current: dict[str, int] = {}
+        self._blacklist: dict[str, _Blacklisted] = {}
+
+    def update_available_hosts(self) -> bool:
+        """Run discovery; True if the usable hosts changed.  Discovery errors propagate."""
+        before = self.usable_hosts()
+        found = self.discovery.find_available_hosts_and_slots()
+        for host in found:
+            if host not in self._order:
+                self._order.append(host)
+        self._current = found
+        return self.usable_hosts() != before
+
+    def usable_hosts(self) -> list[HostInfo]:
+        """Hosts to assign ranks to, oldest first."""
+        now = self._clock()
+        return [HostInfo(h, self._current[h]) for h in self._order
+                if h in self._current and self._current[h] > 0 and not self._is_blacklisted(h, now)]
+
+    def _is_blacklisted(self, host: str, now: float) -> bool:
+        entry = self._blacklist.get(host)
+        return entry is not None and now < entry.until
+
+    def is_blacklisted(self, host: str) -> bool:
+        return self._is_blacklisted(host, self._clock())
+
+    def blacklist(self, host: str) -> float:
+        """Exclude ``host``; returns the cooldown in seconds (inf without a cooldown range)."""
+        entry = self._blacklist.get(host)
+        count = entry.count + 1 if entry is not None else 1
+        if self.cooldown_range is None:
+            delay = float("inf")
+        else:
+            lo, hi = self.cooldown_range
+            delay = min(max(lo * 2 ** (count - 1) + random.uniform(0, 1) * lo, lo), hi)
+        self._blacklist[host] = _Blacklisted(count, self._clock() + delay)
+        return delay
+
+    def all_blacklisted(self) -> bool:
+        """Every discovered host is blacklisted for good (nothing left to wait for)."""
+        now = self._clock()
+        return bool(self._current) and all(
+            self._is_blacklisted(h, now) and self._blacklist[h].until == float("inf") for h in self._current)

@@ -1,0 +1,471 @@
+"""The elastic driver: keeps a job of ``--min-np``..``--max-np`` workers running while hosts come and go.
+
+It runs the rendezvous store and numbers rank assignments by *generation* (the store keys are listed in
+:mod:`horovod.common.elastic_init`).  One loop, ticking every 0.1 s:
+
+* every second it runs discovery; when the usable hosts would change the assignment it writes a notice
+  ``elastic/hosts_updated = "<time> <flags>"`` that rank 0 reads at its next ``commit()``;
+* a worker of the current generation that exits non-zero, or announces ``elastic/ready.<g>/<slot>``
+  (it left the generation after a failed collective or a host-update interrupt), starts a *reset*: the driver
+  writes ``elastic/reset.<g>``, waits until every live worker of the generation has left, and kills those
+  that did not within the grace period (a hung worker), blacklisting their hosts as it does for failed ones;
+* then it computes the next assignment (old hosts first, so they keep low ranks), publishes it, bumps
+  ``elastic/generation`` and starts workers for the slots that have none;
+* the job ends with success when a worker of the current generation exits 0 (the others are given time to
+  finish), and with an error after ``--reset-limit`` resets, when fewer than ``--min-np`` slots remain for
+  ``--elastic-timeout`` seconds, or when no worker with state is left.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+from horovod.common import auth
+from horovod.runner import hosts as hosts_mod
+from horovod.runner import spawn
+from horovod.runner.elastic.discovery import (
+    DISCOVER_HOSTS_FREQUENCY_SECS,
+    FixedHosts,
+    HostDiscovery,
+    HostDiscoveryScript,
+    HostManager,
+)
+from horovod.runner.output import OutputSink, forward_stream
+
+__all__ = ["ElasticDriver", "run_elastic", "is_elastic", "RESET_LIMIT_MESSAGE", "DEFAULT_GRACE_SECONDS"]
+
+logger = logging.getLogger(__name__)
+
+RESET_LIMIT_MESSAGE = "Horovod was shutdown because number of resets during elastic job exceeded limit: {}"
+NO_PREVIOUS_HOSTS_MESSAGE = "No hosts from previous set remaining, unable to broadcast state."
+DEFAULT_ELASTIC_TIMEOUT = 600
+DEFAULT_GRACE_SECONDS = 30.0
+"""After one worker left a generation, how long the others may take to leave too before they count as hung."""
+
+_TICK = 0.1
+_RANK_VARS = ("HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_SIZE", "HOROVOD_CROSS_RANK", "HOROVOD_CROSS_SIZE")
+
+
+def is_elastic(args: argparse.Namespace) -> bool:
+    """Upstream's rule: a discovery script or any of --min-np/--max-np makes the job elastic."""
+    return bool(getattr(args, "host_discovery_script", None)) or args.min_num_proc is not None or \
+        args.max_num_proc is not None
+
+
+@dataclasses.dataclass
+class _Worker:
+    slot: str
+    host: str
+    proc: subprocess.Popen
+    label: int
+    readers: list[threading.Thread]
+    exited: int | None = None
+
+
+@dataclasses.dataclass
+class _Plan:
+    slots: dict[str, hosts_mod.SlotInfo]
+
+    def same_as(self, other: _Plan) -> bool:
+        return {k: v.rank for k, v in self.slots.items()} == {k: v.rank for k, v in other.slots.items()} and \
+            {v.size for v in self.slots.values()} == {v.size for v in other.slots.values()}
+
+
+def _plan(hosts: list[hosts_mod.HostInfo], max_np: int | None) -> _Plan:
+    if not hosts:
+        return _Plan({})
+    slots = hosts_mod.get_host_assignments(hosts, 0, max_np)
+    return _Plan({f"{s.hostname}:{s.local_rank}": s for s in slots})
+
+
+class ElasticDriver:
+    """Runs one elastic job; see the module docstring.  :meth:`run` returns on success or raises."""
+
+    def __init__(self, discovery: HostDiscovery, command: str | list[str], *, num_proc: int, min_np: int,
+                 max_np: int | None, base_env: dict[str, str], knobs: dict[str, str], start_timeout: int,
+                 elastic_timeout: float, reset_limit: int | None, cooldown_range: tuple[int, int] | None,
+                 nics: list[str] | None = None, output: spawn.OutputOptions | None = None,
+                 stop_event: threading.Event | None = None, ssh_options: Any = None,
+                 grace: float | None = None) -> None:
+        self.hosts = HostManager(discovery, cooldown_range)
+        self.command = command
+        self.num_proc = num_proc
+        self.min_np = min_np
+        self.max_np = max_np
+        self.base_env = base_env
+        self.knobs = knobs
+        self.start_timeout = start_timeout
+        self.elastic_timeout = elastic_timeout
+        self.reset_limit = reset_limit
+        self.nics = nics or []
+        self.output = output or spawn.OutputOptions()
+        self.stop_event = stop_event
+        self.ssh_options = ssh_options
+        if grace is None:
+            grace = float(os.environ.get("HOROVOD_ELASTIC_GRACE_SECONDS", DEFAULT_GRACE_SECONDS))
+        self.grace = grace
+        self.key = auth.make_secret_key()
+        self.server: Any = None
+        self.generation = -1
+        self.plan = _Plan({})
+        self.reset_count = 0
+        self.workers: dict[str, _Worker] = {}
+        self._exits: queue.Queue[tuple[_Worker, int]] = queue.Queue()
+        self._hosts_ts = 0.0
+        self._notice_ts = 0.0
+        self._out = self.output.stdout or OutputSink(sys.stdout)
+        self._err = self.output.stderr or OutputSink(sys.stderr)
+        self._next_label = 0
+
+    # ------------------------------------------------------------------ store helpers
+    def _put(self, key: str, value: str) -> None:
+        self.server.put(key, value.encode())
+
+    def _ready(self, slot: str) -> bool:
+        return self.server.get(f"elastic/ready.{self.generation}/{slot}") is not None
+
+    # ------------------------------------------------------------------ main loop
+    def run(self) -> None:
+        """Run the job until it succeeds.
+
+        Raises:
+            spawn.JobFailure: no worker succeeded (upstream's message names the first failure).
+            RuntimeError: reset limit, no slots, discovery failing on the first call.
+            spawn.Interrupted: ``stop_event`` was set.
+        """
+        from horovod.runner.rendezvous import RendezvousServer
+
+        self.hosts.update_available_hosts()  # the first discovery failure is fatal (upstream)
+        self.server = RendezvousServer(self.key, addr=self._bind_address())
+        self.server.start()
+        try:
+            self._wait_for_slots(self.num_proc, "to start")
+            self._new_generation(survivors=set())
+            self._loop()
+        finally:
+            self._terminate_all()
+            self.server.stop()
+
+    def _bind_address(self) -> str:
+        if isinstance(self.hosts.discovery, FixedHosts) and \
+                all(hosts_mod.is_local_host(h.hostname) for h in self.hosts.usable_hosts()):
+            return "127.0.0.1"
+        return "0.0.0.0"  # a discovery script may name remote hosts later; every request is authenticated
+
+    def _store_address(self, host: str) -> str:
+        if self.server.addr == "127.0.0.1" or hosts_mod.is_local_host(host):
+            return "127.0.0.1"
+        from horovod.runner.network import route_source
+
+        return route_source(host) or "127.0.0.1"
+
+    def _check_stop(self) -> None:
+        if self.stop_event is not None and self.stop_event.is_set():
+            raise spawn.Interrupted(getattr(self.stop_event, "signum", signal.SIGTERM))
+
+    def _discover(self, last: list[float]) -> None:
+        now = time.monotonic()
+        if now - last[0] < DISCOVER_HOSTS_FREQUENCY_SECS:
+            return
+        last[0] = now
+        try:
+            self.hosts.update_available_hosts()
+        except Exception as e:  # noqa: BLE001 - after the first call a failing script only logs (upstream)
+            logger.warning("elastic: host discovery failed, keeping the last known hosts: %s", e)
+
+    def _wait_for_slots(self, needed: int, why: str) -> None:
+        deadline = time.monotonic() + self.elastic_timeout
+        last = [time.monotonic()]
+        while True:
+            self._check_stop()
+            available = sum(h.slots for h in self.hosts.usable_hosts())
+            if available >= needed:
+                return
+            if self.hosts.all_blacklisted():
+                raise RuntimeError(f"All hosts are blacklisted; {needed} slots needed {why}.")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"Timed out waiting for {needed} slots {why} (found {available}; "
+                                   f"--elastic-timeout {self.elastic_timeout:.0f} s).")
+            self._drain_exits_while_waiting()
+            time.sleep(_TICK)
+            self._discover(last)
+
+    def _loop(self) -> None:
+        last_discovery = [time.monotonic()]
+        reset_started: float | None = None
+        succeeded = False
+        success_deadline = 0.0
+        while True:
+            self._check_stop()
+            self._discover(last_discovery)
+            # 1. worker exits
+            while True:
+                try:
+                    worker, code = self._exits.get_nowait()
+                except queue.Empty:
+                    break
+                worker.exited = code
+                assigned = self.plan.slots.get(worker.slot)
+                if self.workers.get(worker.slot) is not worker or assigned is None:
+                    logger.debug("elastic: %s (not in generation %d) exited with %d", worker.slot,
+                                 self.generation, code)
+                    continue
+                if code == 0:
+                    if not succeeded:
+                        logger.info("elastic: rank %d (%s) finished successfully", assigned.rank, worker.slot)
+                        succeeded = True
+                        success_deadline = time.monotonic() + self.elastic_timeout
+                    continue
+                if succeeded:
+                    logger.warning("elastic: %s exited with %d after the job succeeded", worker.slot, code)
+                    continue
+                self._failed(worker, f"exited with status code {code}")
+                if reset_started is None:
+                    reset_started = self._start_reset()
+            live = [w for s, w in self.workers.items() if s in self.plan.slots and w.exited is None]
+            if succeeded:
+                waiting = [w for w in live if self._ready(w.slot)]
+                for w in waiting:  # left the generation after the job succeeded: nothing to wait for
+                    self._kill(w, signal.SIGTERM)
+                if not live:
+                    return
+                if time.monotonic() > success_deadline:
+                    logger.warning("elastic: terminating %d workers still running after the job succeeded",
+                                   len(live))
+                    return
+                time.sleep(_TICK)
+                continue
+            # 2. workers leaving the generation
+            if reset_started is None and any(self._ready(w.slot) for w in live):
+                reset_started = self._start_reset()
+            if reset_started is not None:
+                pending = [w for w in live if not self._ready(w.slot)]
+                if pending and time.monotonic() - reset_started > self.grace:
+                    for w in pending:
+                        self._failed(w, f"did not leave generation {self.generation} within {self.grace:.0f} s "
+                                        "after a failure (hung?); killed")
+                        self._kill(w, signal.SIGKILL)
+                    pending = []
+                if not pending:
+                    survivors = {w.slot for w in live if w.exited is None and self._ready(w.slot)
+                                 and w.proc.poll() is None}
+                    self._next_generation(survivors)
+                    reset_started = None
+            else:
+                self._maybe_notify()
+            time.sleep(_TICK)
+
+    # ------------------------------------------------------------------ events
+    def _failed(self, worker: _Worker, why: str) -> None:
+        assigned = self.plan.slots.get(worker.slot)
+        rank = assigned.rank if assigned is not None else -1
+        logger.error("elastic: rank %d (%s) %s", rank, worker.slot, why)
+        delay = self.hosts.blacklist(worker.host)
+        logger.warning("elastic: blacklisting host %s%s", worker.host,
+                       "" if delay == float("inf") else f" for {delay:.0f} s")
+        self._first_failure = getattr(self, "_first_failure", None) or (rank, worker.exited or 1)
+
+    def _start_reset(self) -> float:
+        logger.info("elastic: generation %d is over; waiting for its workers to leave", self.generation)
+        self._put(f"elastic/reset.{self.generation}", "1")
+        return time.monotonic()
+
+    def _maybe_notify(self) -> None:
+        new = _plan(self.hosts.usable_hosts(), self.max_np)
+        if new.same_as(self.plan) or not new.slots:
+            return
+        flags = 0
+        if set(self.plan.slots) - set(new.slots):
+            flags |= 1  # removed
+        if set(new.slots) - set(self.plan.slots):
+            flags |= 2  # added
+        if not flags:
+            flags = 1 | 2
+        if self._notice_ts > self._hosts_ts and getattr(self, "_notice_flags", None) == flags:
+            return  # already told rank 0 about this change
+        self._notice_ts = max(time.time(), self._notice_ts + 1e-3)
+        self._notice_flags = flags
+        logger.info("elastic: hosts changed (%s); notifying rank 0",
+                    {1: "removed", 2: "added", 3: "added and removed"}[flags])
+        self._put("elastic/hosts_updated", f"{self._notice_ts!r} {flags}")
+
+    def _next_generation(self, survivors: set[str]) -> None:
+        if self.reset_limit is not None and self.reset_count >= self.reset_limit:
+            raise RuntimeError(RESET_LIMIT_MESSAGE.format(self.reset_limit))
+        self._wait_for_slots(self.min_np, "to continue")
+        self.reset_count += 1
+        self._new_generation(survivors)
+
+    def _new_generation(self, survivors: set[str]) -> None:
+        new = _plan(self.hosts.usable_hosts(), self.max_np)
+        if self.generation >= 0 and not (survivors & set(new.slots)):
+            raise RuntimeError(NO_PREVIOUS_HOSTS_MESSAGE)
+        self.generation += 1
+        g = self.generation
+        for slot, s in new.slots.items():
+            self._put(f"elastic/assign.{g}/{slot}", f"{s.rank},{s.size},{s.local_rank},{s.local_size},"
+                                                     f"{s.cross_rank},{s.cross_size}")
+        for slot, w in self.workers.items():
+            if slot not in new.slots and w.exited is None:
+                self._put(f"elastic/assign.{g}/{slot}", "-1,-1,-1,-1,-1,-1")
+        self._hosts_ts = self._notice_ts
+        self.plan = new
+        self._put("elastic/generation", f"{g} {self._hosts_ts!r}")
+        size = len(new.slots)
+        logger.info("elastic: generation %d: %d worker%s on %s", g, size, "" if size == 1 else "s",
+                    ",".join(sorted({s.hostname for s in new.slots.values()})))
+        for slot, w in list(self.workers.items()):
+            if slot not in new.slots and w.exited is None:
+                # Removed or blacklisted: it reads rank -1 and exits; make sure it does.
+                threading.Thread(target=self._reap_later, args=(w,), daemon=True).start()
+        for slot, s in new.slots.items():
+            w = self.workers.get(slot)
+            if w is None or w.exited is not None or w.proc.poll() is not None:
+                self._start_worker(slot, s)
+
+    def _reap_later(self, worker: _Worker) -> None:
+        deadline = time.monotonic() + self.grace
+        while time.monotonic() < deadline and worker.proc.poll() is None:
+            time.sleep(_TICK)
+        if worker.proc.poll() is None:
+            spawn.terminate_workers([worker.proc])
+
+    # ------------------------------------------------------------------ processes
+    def _worker_env(self, slot: str, s: hosts_mod.SlotInfo) -> dict[str, str]:
+        from horovod.runner.launch import worker_env
+
+        env = worker_env(s, base=self.base_env, store_addr=self._store_address(s.hostname),
+                         store_port=self.server.port, key=self.key, knobs=self.knobs,
+                         start_timeout=self.start_timeout, nics=self.nics)
+        for name in _RANK_VARS:
+            env.pop(name, None)
+        env.update({"HOROVOD_ELASTIC": "1", "HOROVOD_ELASTIC_SLOT": slot,
+                    "HOROVOD_ELASTIC_TIMEOUT": str(int(self.elastic_timeout))})
+        return env
+
+    def _spawner(self, host: str) -> spawn.Spawner:
+        if hosts_mod.is_local_host(host):
+            return spawn.spawn_local
+        from horovod.runner.ssh import SshOptions, SshSpawner
+
+        return SshSpawner(self.ssh_options or SshOptions())
+
+    def _start_worker(self, slot: str, s: hosts_mod.SlotInfo) -> None:
+        spec = spawn.WorkerSpec(rank=s.rank, command=self.command, env=self._worker_env(slot, s),
+                                hostname=s.hostname)
+        proc = self._spawner(s.hostname)(spec)
+        label = s.rank if self.generation == 0 else self._next_label
+        self._next_label = max(self._next_label, label + 1, len(self.plan.slots))
+        readers = []
+        for stream, sink, name in ((proc.stdout, self._out, "stdout"), (proc.stderr, self._err, "stderr")):
+            t = threading.Thread(target=_forward, args=(stream, sink, label, name, self.output.prefix_timestamp),
+                                 name=f"horovod-elastic-{slot}-{name}", daemon=True)
+            t.start()
+            readers.append(t)
+        worker = _Worker(slot, s.hostname, proc, label, readers)
+        self.workers[slot] = worker
+        threading.Thread(target=lambda: self._exits.put((worker, proc.wait())), daemon=True,
+                         name=f"horovod-elastic-wait-{slot}").start()
+        logger.debug("elastic: started %s as rank %d (pid %d)", slot, s.rank, proc.pid)
+
+    def _kill(self, worker: _Worker, sig: int) -> None:
+        try:
+            os.killpg(worker.proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def _drain_exits_while_waiting(self) -> None:
+        while True:
+            try:
+                worker, code = self._exits.get_nowait()
+            except queue.Empty:
+                return
+            worker.exited = code
+
+    def _terminate_all(self) -> None:
+        procs = [w.proc for w in self.workers.values() if w.proc.poll() is None]
+        if procs:
+            spawn.terminate_workers(procs)
+        deadline = time.monotonic() + 2.0
+        for w in self.workers.values():
+            for t in w.readers:
+                t.join(timeout=max(0.0, deadline - time.monotonic()))
+
+
+def _forward(stream: Any, sink: OutputSink, label: int, name: str, timestamp: bool) -> None:
+    try:
+        forward_stream(stream, sink, label, name, timestamp=timestamp)
+    finally:
+        stream.close()
+
+
+def _discovery(args: argparse.Namespace) -> HostDiscovery:
+    if args.host_discovery_script:
+        return HostDiscoveryScript(args.host_discovery_script, args.slots)
+    if args.hosts or args.hostfile:
+        spec = hosts_mod.parse_host_files(args.hostfile) if args.hostfile else args.hosts
+        hosts = hosts_mod.parse_hosts(spec)
+        if len(hosts) < 2:
+            raise ValueError("Cannot run in fault tolerance mode with fewer than 2 hosts.")
+        return FixedHosts(hosts)
+    raise ValueError("One of --host-discovery-script, --hosts, or --hostnames must be provided")
+
+
+def run_elastic(args: argparse.Namespace, stop_event: threading.Event | None = None) -> None:
+    """``horovodrun`` in elastic mode (called by ``launch._run``).
+
+    Raises:
+        ValueError: bad arguments (upstream's texts).
+        RuntimeError: the job failed (see :meth:`ElasticDriver.run`).
+    """
+    from horovod.runner import knobs as knobs_mod
+    from horovod.runner.launch import DEFAULT_START_TIMEOUT, _command, _nics
+
+    knobs_mod.validate_knob_args(args)
+    if getattr(args, "run_func", None) is not None:
+        raise ValueError("horovod.run() in elastic mode is not supported yet; use horovodrun with a command.")
+    if not args.command:
+        raise ValueError("No command given: horovodrun -np N <command> [args...]")
+    for dest in ("num_proc", "min_num_proc", "max_num_proc", "elastic_timeout", "reset_limit", "start_timeout"):
+        value = getattr(args, dest, None)
+        if value is not None and value < 0:
+            raise ValueError(f"{dest}={value} must be >= 0")
+    num_proc = args.num_proc or args.min_num_proc
+    if not num_proc:
+        raise ValueError("-np/--num-proc or --min-np is required in elastic mode.")
+    min_np = args.min_num_proc if args.min_num_proc is not None else num_proc
+    max_np = args.max_num_proc
+    if max_np is not None and max_np < min_np:
+        raise ValueError(f"--max-np ({max_np}) must not be less than --min-np ({min_np}).")
+    if max_np is not None:
+        num_proc = min(num_proc, max_np)
+    discovery = _discovery(args)
+    start_timeout = args.start_timeout
+    if start_timeout is None:
+        start_timeout = int(os.environ.get("HOROVOD_START_TIMEOUT", DEFAULT_START_TIMEOUT))
+    elastic_timeout = args.elastic_timeout
+    if elastic_timeout is None:
+        elastic_timeout = int(os.environ.get("HOROVOD_ELASTIC_TIMEOUT", DEFAULT_ELASTIC_TIMEOUT))
+    ssh_options = None
+    if getattr(args, "ssh_port", None) or getattr(args, "ssh_identity_file", None):
+        from horovod.runner.ssh import SshOptions
+
+        ssh_options = SshOptions(port=args.ssh_port, identity_file=args.ssh_identity_file)
+    base = dict(args.env if getattr(args, "env", None) is not None else os.environ)
+    driver = ElasticDriver(
+        discovery, _command(args), num_proc=num_proc, min_np=min_np, max_np=max_np, base_env=base,
+        knobs=knobs_mod.knob_env(args), start_timeout=start_timeout, elastic_timeout=elastic_timeout,
+        reset_limit=args.reset_limit, cooldown_range=tuple(args.cooldown_range) if args.cooldown_range else None,
+        nics=_nics(args), stop_event=stop_event, ssh_options=ssh_options,
+        output=spawn.OutputOptions(prefix_timestamp=args.prefix_output_with_timestamp))
+    driver.run()

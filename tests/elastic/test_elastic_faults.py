@@ -1,0 +1,115 @@
+"""Elastic mode under real faults: every test checks the exact training outcome and that nothing is left.
+
+The job (``worker_numpy.py``) adds integer contributions per sample, so the final weights equal the
+fault-free run's exactly when every sample of every epoch was processed once, whatever the world sizes.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+pytestmark = pytest.mark.timeout(120) if hasattr(pytest.mark, "timeout") else []
+
+TWO_HOSTS = ["localhost:1", "127.0.0.1:1"]
+ARGS = ["-np", "2", "--min-np", "1", "--max-np", "2"]
+
+
+def test_fault_free(elastic_job):
+    job = elastic_job(TWO_HOSTS, ARGS, epochs=1, sleep=0.0)
+    assert job.wait() == 0, job.output()
+    assert job.assert_exact()["sizes"] == [2]
+    job.assert_no_leftovers()
+
+
+def test_kill_worker_mid_epoch(elastic_job):
+    job = elastic_job(TWO_HOSTS, ARGS)
+    job.wait_steps(5, size=2)
+    os.kill(job.pid("127.0.0.1:0"), signal.SIGKILL)
+    assert job.wait() == 0, job.output()
+    result = job.assert_exact()
+    assert result["sizes"] == [2, 1], result
+    assert "blacklisting host 127.0.0.1" in job.output()
+    job.assert_no_leftovers()
+
+
+def test_kill_rank_zero(elastic_job):
+    job = elastic_job(TWO_HOSTS, ARGS)
+    job.wait_steps(5, size=2)
+    os.kill(job.pid("localhost:0"), signal.SIGKILL)
+    assert job.wait() == 0, job.output()
+    assert job.assert_exact()["sizes"] == [2, 1]
+    job.assert_no_leftovers()
+
+
+def test_host_removed(elastic_job):
+    job = elastic_job(TWO_HOSTS, ARGS)
+    job.wait_steps(5, size=2)
+    job.set_hosts(["localhost:1"])
+    assert job.wait() == 0, job.output()
+    assert job.assert_exact()["sizes"] == [2, 1]
+    assert "removed from elastic job" in job.output()
+    job.assert_no_leftovers()
+
+
+def test_host_added(elastic_job):
+    job = elastic_job(["localhost:1"], ["-np", "1", "--min-np", "1", "--max-np", "2"])
+    job.wait_steps(4, size=1)
+    job.set_hosts(TWO_HOSTS)
+    assert job.wait() == 0, job.output()
+    assert job.assert_exact()["sizes"] == [1, 2]
+    job.assert_no_leftovers()
+
+
+def test_hung_worker(elastic_job):
+    job = elastic_job(TWO_HOSTS, ARGS)
+    job.wait_steps(5, size=2)
+    pid = job.pid("127.0.0.1:0")
+    os.kill(pid, signal.SIGSTOP)
+    started = time.monotonic()
+    assert job.wait() == 0, job.output()
+    assert time.monotonic() - started < 60
+    assert job.assert_exact()["sizes"] == [2, 1]
+    assert "hung?" in job.output()
+    job.assert_no_leftovers()
+
+
+def test_failure_during_commit(elastic_job):
+    job = elastic_job(TWO_HOSTS, ARGS, env={"TEST_DIE_IN_COMMIT": "127.0.0.1:0:6"})
+    assert job.wait() == 0, job.output()
+    assert (job.out / "died_in_commit").exists()
+    assert job.assert_exact()["sizes"] == [2, 1]
+    job.assert_no_leftovers()
+
+
+def test_reset_limit(elastic_job):
+    job = elastic_job(TWO_HOSTS, ARGS + ["--reset-limit", "0"])
+    job.wait_steps(3, size=2)
+    os.kill(job.pid("127.0.0.1:0"), signal.SIGKILL)
+    assert job.wait() != 0
+    assert "Horovod was shutdown because number of resets during elastic job exceeded limit: 0" in job.output()
+    job.assert_no_leftovers()
+
+
+def test_discovery_fails_at_start(elastic_job, tmp_path):
+    (tmp_path / "fail").touch()
+    job = elastic_job(TWO_HOSTS, ARGS)
+    assert job.wait(timeout=30) != 0
+    assert "Failed to execute discovery script" in job.output()
+    assert "Exit code: 3" in job.output()
+    job.assert_no_leftovers()
+
+
+def test_discovery_fails_mid_run(elastic_job):
+    job = elastic_job(TWO_HOSTS, ARGS)
+    job.wait_steps(3, size=2)
+    job.fail_file.touch()
+    time.sleep(2.5)  # discovery runs every second: it fails at least twice
+    job.fail_file.unlink()
+    assert job.wait() == 0, job.output()
+    assert job.assert_exact()["sizes"] == [2]
+    assert "host discovery failed" in job.output()
+    job.assert_no_leftovers()

@@ -1,0 +1,94 @@
+"""A deterministic elastic training job on numpy, run by the fault tests under ``horovodrun``.
+
+The "model" is exact integer arithmetic in float64: each sample i contributes ``g(i)`` to the weights and
+1 to ``counts[i]``, summed over ranks with allreduce.  Every sample processed exactly once per epoch gives
+``w == -EPOCHS * sum(g)`` and ``counts == EPOCHS`` whatever the world sizes along the way; a skipped or
+duplicated sample changes both.  Rank 0 writes ``progress`` after each commit and ``result.json`` at the
+end; every worker registers ``pids/<slot>.<pid>`` so the test can kill or stop it.
+
+Environment: TEST_OUT (directory), TEST_SAMPLES, TEST_BATCH, TEST_EPOCHS, TEST_STEP_SLEEP,
+TEST_DIE_IN_COMMIT=<slot>:<global step> (SIGKILL itself inside commit(), once).
+"""
+
+import json
+import os
+import signal
+import sys
+import time
+
+import numpy as np
+
+import horovod.numpy as hvd
+from horovod.common import elastic
+from horovod.common.elastic_sampler import ElasticSampler
+
+OUT = os.environ["TEST_OUT"]
+N = int(os.environ.get("TEST_SAMPLES", "40"))
+BS = int(os.environ.get("TEST_BATCH", "2"))
+EPOCHS = int(os.environ.get("TEST_EPOCHS", "2"))
+SLEEP = float(os.environ.get("TEST_STEP_SLEEP", "0.05"))
+DIE_IN_COMMIT = os.environ.get("TEST_DIE_IN_COMMIT", "")
+SLOT = os.environ.get("HOROVOD_ELASTIC_SLOT", "?")
+
+
+def g(indices):
+    x = np.asarray(indices, dtype=np.float64)
+    return np.stack([np.ones_like(x), x + 1, np.mod(x * 7, 5)], axis=1).sum(axis=0) if len(x) else np.zeros(3)
+
+
+def write(name, text):
+    tmp = os.path.join(OUT, f".{name}.{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, os.path.join(OUT, name))
+
+
+os.makedirs(os.path.join(OUT, "pids"), exist_ok=True)
+open(os.path.join(OUT, "pids", f"{SLOT}.{os.getpid()}"), "w").close()
+
+hvd.init()
+sampler = ElasticSampler(N, shuffle=True, seed=3, batch_size=BS)
+state = elastic.ObjectState(hvd.broadcast_object, hvd.rank, epoch=0, steps=0, w=np.zeros(3),
+                            counts=np.zeros(N, np.int64), sampler=sampler, sizes=[])
+
+if DIE_IN_COMMIT:
+    die_slot, die_step = DIE_IN_COMMIT.rsplit(":", 1)
+    marker = os.path.join(OUT, "died_in_commit")
+    check = state.check_host_updates
+
+    def check_host_updates():
+        if SLOT == die_slot and state.steps >= int(die_step) and not os.path.exists(marker):
+            open(marker, "w").close()
+            os.kill(os.getpid(), signal.SIGKILL)  # the others are in commit's broadcast now
+        check()
+
+    state.check_host_updates = check_host_updates
+
+
+@elastic.run
+def train(state):
+    if not state.sizes or state.sizes[-1] != hvd.size():
+        state.sizes.append(hvd.size())
+    while state.epoch < EPOCHS:
+        state.sampler.set_epoch(state.epoch)
+        for step, batch in enumerate(state.sampler):
+            grad = hvd.allreduce(g(batch), op=hvd.Sum, name="grad")
+            counts = hvd.allreduce(np.bincount(np.asarray(batch, np.int64), minlength=N), op=hvd.Sum,
+                                   name="counts")
+            state.w -= grad
+            state.counts += counts
+            state.steps += 1
+            state.sampler.record_batch(step, BS)
+            time.sleep(SLEEP)
+            state.commit()
+            if hvd.rank() == 0:
+                write("progress", f"{state.epoch} {state.steps} {hvd.size()}")
+        state.epoch += 1
+        state.commit()
+
+
+train(state)
+if hvd.rank() == 0:
+    write("result.json", json.dumps({"w": state.w.tolist(), "counts": state.counts.tolist(),
+                                     "sizes": state.sizes, "steps": state.steps, "size": hvd.size()}))
+print(f"worker {SLOT} done as rank {hvd.rank()} of {hvd.size()}", file=sys.stderr)

@@ -5,7 +5,8 @@
 * ``shm``: every member on this host (and shared memory not disabled);
 * ``tcp``: one member per host, shared memory disabled, or uneven hosts;
 * ``hierarchical``: several hosts with the same number of members each (shm inside, TCP between), unless
-  ``config.hierarchical_allreduce`` is ``False``.
+  ``HOROVOD_HIERARCHICAL_ALLREDUCE`` and ``HOROVOD_HIERARCHICAL_ALLGATHER`` are both ``0`` (one of them
+  ``0`` makes only that collective flat).
 * ``mpi``: the job was bootstrapped through MPI and ``HOROVOD_CPU_OPERATIONS`` is ``mpi`` (the default
   there): ``init`` sets ``mesh.mpi_comm`` and :mod:`horovod.transport.mpi` moves the data.
 
@@ -75,7 +76,8 @@ def choose_backend(mesh: Mesh, ranks: list[int], config: RuntimeConfig) -> str:
     shm_ok = not (config.disable_shm or mesh.disable_shm)
     if len(per_host) == 1:
         return "shm" if shm_ok and len(ranks) > 1 else "tcp"
-    if not shm_ok or max(per_host.values()) == 1 or config.hierarchical_allreduce is False:
+    both_off = config.hierarchical_allreduce is False and config.hierarchical_allgather is False
+    if not shm_ok or max(per_host.values()) == 1 or both_off:
         return "tcp"
     return "hierarchical" if len(set(per_host.values())) == 1 else "tcp"
 

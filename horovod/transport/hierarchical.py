@@ -61,11 +61,12 @@ class HierarchicalCommunicator(Communicator):
                                      config)
         self.small_bytes = small_bytes
         self.allgather_hierarchical = config.hierarchical_allgather is not False
+        self.allreduce_hierarchical = config.hierarchical_allreduce is not False
         # Group order equals host-major order when every host's members are contiguous.
         self._contiguous = [i for m in self.host_members for i in m] == list(range(self.size))
 
     def allreduce(self, inp: np.ndarray, out: np.ndarray, op: ReduceOp) -> None:
-        if inp.nbytes <= self.small_bytes or inp.size < self.local_size:
+        if not self.allreduce_hierarchical or inp.nbytes <= self.small_bytes or inp.size < self.local_size:
             self.flat.allreduce(inp, out, op)
             return
         counts = split_counts(inp.size, self.local_size)

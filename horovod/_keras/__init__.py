@@ -1,0 +1,204 @@
+"""Shared implementation behind ``horovod.tensorflow.keras`` and ``horovod.keras`` (Keras 3).
+
+Every function takes the ``keras`` module as its first argument, so the two front-ends are thin
+signature-only wrappers (upstream's ``_keras`` pattern without the copied bodies).
+
+Keras 3 optimizers have none of Keras 2's gradient hooks, so the distributed optimizer reduces in
+``_backend_apply_gradients``/``_clip_gradients`` -- inside ``apply``/``apply_gradients``, before clipping and
+after Keras' own gradient accumulation -- and keeps its class name and serialisation: a model saved with it
+reloads as the plain optimizer without Horovod installed.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import tensorflow as tf
+
+from horovod.common.process_sets import ProcessSet, global_process_set
+from horovod.tensorflow import mpi_ops as _mpi_ops
+from horovod.tensorflow.compression import Compression
+from horovod.tensorflow.gradient_aggregation import GradientReducer
+
+__all__ = ["create_distributed_optimizer", "is_distributed_optimizer", "make_distributed_inplace",
+           "broadcast_global_variables", "allreduce", "allgather", "broadcast", "reducescatter", "load_model",
+           "CallableList"]
+
+log = logging.getLogger(__name__)
+
+
+class CallableList(list):
+    """A list that can also be called: Keras 3 has ``optimizer.variables`` (a list), Keras 2 code calls
+    ``optimizer.variables()`` -- both work on a distributed optimizer."""
+
+    def __call__(self) -> list:
+        return list(self)
+
+
+class _DistributedOptimizerMixin:
+    """Placed before the wrapped optimizer class in the MRO; state lives in ``_hvd_reducer``."""
+
+    _hvd_reducer: GradientReducer
+    _hvd_sum_accumulated = False
+
+    @property
+    def __class__(self):  # noqa: PLE0237 - serialisation and isinstance see the wrapped optimizer class
+        return _wrapped_class(type(self))
+
+    @property
+    def variables(self):
+        return CallableList(super().variables)
+
+    def register_local_var(self, var) -> None:
+        """Keep ``var``'s gradient local to this rank (not reduced)."""
+        self._hvd_reducer.register_local_var(var)
+
+    def _backend_apply_gradients(self, grads, trainable_variables):
+        # object.__setattr__: Keras' attribute tracking would adopt these as optimizer variables
+        object.__setattr__(self, "_hvd_vars", tuple(trainable_variables))
+        return super()._backend_apply_gradients(grads, trainable_variables)
+
+    def _clip_gradients(self, grads):
+        # Called once per applied update: after Keras' local accumulation (gradient_accumulation_steps),
+        # before clipping -- the reduction happens only on steps that update the weights.
+        grads = list(grads)
+        variables = getattr(self, "_hvd_vars", None)
+        if variables is None or len(variables) != len(grads):
+            variables = None
+        if self._hvd_sum_accumulated and self.gradient_accumulation_steps:
+            grads = [g * self.gradient_accumulation_steps for g in grads]
+        grads = self._hvd_reducer.reduce(grads, variables)
+        return super()._clip_gradients(grads)
+
+
+_classes: dict[type, type] = {}
+_bases: dict[type, type] = {}
+
+
+def _wrapped_class(cls: type) -> type:
+    return _bases.get(cls, cls)
+
+
+def _distributed_class(base: type) -> type:
+    cls = _classes.get(base)
+    if cls is None:
+        cls = type(base.__name__, (_DistributedOptimizerMixin, base),
+                   {"__module__": base.__module__, "__qualname__": base.__qualname__,
+                    "__doc__": f"{base.__name__} whose gradients are averaged across Horovod ranks."})
+        _classes[base] = cls
+        _bases[cls] = base
+    return cls
+
+
+def is_distributed_optimizer(optimizer: Any) -> bool:
+    return type(optimizer) in _bases
+
+
+def _reducer(compression, sparse_as_dense, gradient_predivide_factor, op, num_groups, groups, process_set,
+             scale_local_gradients, name) -> GradientReducer:
+    if op not in (_mpi_ops.Average, _mpi_ops.Sum):
+        raise ValueError("op currently only supports Average and Sum")
+    return GradientReducer(compression=compression or Compression.none, sparse_as_dense=sparse_as_dense, op=op,
+                           gradient_predivide_factor=gradient_predivide_factor, num_groups=num_groups,
+                           groups=groups, process_set=process_set, scale_local_gradients=scale_local_gradients,
+                           name=name)
+
+
+def create_distributed_optimizer(keras, optimizer, name: str | None = None, device_dense: str = "",
+                                 device_sparse: str = "", compression=Compression.none,
+                                 sparse_as_dense: bool = False, gradient_predivide_factor: float = 1.0,
+                                 op: int = _mpi_ops.Average, backward_passes_per_step: int = 1,
+                                 average_aggregated_gradients: bool = False, num_groups: int = 0, groups=None,
+                                 process_set: ProcessSet = global_process_set,
+                                 scale_local_gradients: bool = True):
+    """A new optimizer of the same class and config whose gradients are reduced across ranks."""
+    if not isinstance(optimizer, keras.optimizers.Optimizer):
+        raise ValueError(f"DistributedOptimizer expects a keras.optimizers.Optimizer, got "
+                         f"{type(optimizer).__name__}; for tf.compat.v1.train optimizers use "
+                         f"horovod.tensorflow.DistributedOptimizer")
+    if is_distributed_optimizer(optimizer):
+        raise ValueError("The optimizer is already a Horovod DistributedOptimizer; wrap it only once.")
+    if backward_passes_per_step < 1:
+        raise ValueError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
+    reducer = _reducer(compression, sparse_as_dense, gradient_predivide_factor, op, num_groups, groups,
+                       process_set, scale_local_gradients, name or f"Distributed{type(optimizer).__name__}_")
+    base = type(optimizer)
+    config = optimizer.get_config()
+    if backward_passes_per_step > 1:
+        if config.get("gradient_accumulation_steps"):
+            raise ValueError("Pass either backward_passes_per_step or the optimizer's gradient_accumulation_steps,"
+                             " not both.")
+        config["gradient_accumulation_steps"] = backward_passes_per_step
+    new = _distributed_class(base).from_config(config)
+    object.__setattr__(new, "_hvd_reducer", reducer)
+    object.__setattr__(new, "_hvd_sum_accumulated", backward_passes_per_step > 1 and not average_aggregated_gradients)
+    return new
+
+
+def make_distributed_inplace(optimizer, **kwargs) -> Any:
+    """Turn an existing (possibly built, e.g. just loaded) optimizer into a distributed one, keeping state."""
+    if is_distributed_optimizer(optimizer):
+        return optimizer
+    reducer = _reducer(kwargs.get("compression"), False, 1.0, _mpi_ops.Average, 0, None, global_process_set,
+                       True, f"Distributed{type(optimizer).__name__}_")
+    object.__setattr__(optimizer, "__class__", _distributed_class(type(optimizer)))
+    object.__setattr__(optimizer, "_hvd_reducer", reducer)
+    return optimizer
+
+
+# ---------------------------------------------------------------------------------------------- values
+def allreduce(keras, value, name: str | None = None, average: bool | None = None, prescale_factor: float = 1.0,
+              postscale_factor: float = 1.0, op: int | None = None, compression=Compression.none,
+              process_set: ProcessSet = global_process_set):
+    """Reduce a value (number, array, tensor) across ranks and return it evaluated."""
+    op = _mpi_ops.handle_average_backwards_compatibility(op, average)
+    return _mpi_ops.allreduce(tf.constant(value, name=name), op=op, prescale_factor=prescale_factor,
+                              postscale_factor=postscale_factor, compression=compression,
+                              process_set=process_set, name=name)
+
+
+def allgather(keras, value, name: str | None = None, process_set: ProcessSet = global_process_set):
+    return _mpi_ops.allgather(tf.constant(value, name=name), name=name, process_set=process_set)
+
+
+def broadcast(keras, value, root_rank: int, name: str | None = None,
+              process_set: ProcessSet = global_process_set):
+    return _mpi_ops.broadcast(tf.constant(value, name=name), root_rank, name=name, process_set=process_set)
+
+
+def reducescatter(keras, value, name: str | None = None, op: int = _mpi_ops.Average,
+                  process_set: ProcessSet = global_process_set):
+    return _mpi_ops.reducescatter(tf.constant(value, name=name), op=op, name=name, process_set=process_set)
+
+
+def broadcast_global_variables(keras, root_rank: int, model=None):
+    """Broadcast ``model``'s variables (and its optimizer's) from ``root_rank``; Keras 3 has no global
+    variable collection, so without ``model`` this only works in a TF1 graph."""
+    from horovod.tensorflow.functions import broadcast_variables
+
+    if model is not None:
+        variables = list(model.variables)
+        if getattr(model, "optimizer", None) is not None:
+            variables += list(model.optimizer.variables)
+        return broadcast_variables(variables, root_rank)
+    if tf.executing_eagerly():
+        raise RuntimeError("Keras 3 has no global variables in eager mode: use "
+                           "hvd.callbacks.BroadcastGlobalVariablesCallback(0) or "
+                           "hvd.broadcast_variables(model.variables, root_rank=0).")
+    return broadcast_variables(tf.compat.v1.global_variables(), root_rank)
+
+
+def load_model(keras, filepath, custom_optimizers=None, custom_objects=None, compression=Compression.none,
+               legacy_opts: bool = False):
+    """Load a Keras model; its optimizer (if compiled) comes back wrapped in DistributedOptimizer with its
+    state."""
+    objects = dict(custom_objects or {})
+    for opt in custom_optimizers or []:
+        objects[opt.__name__] = opt
+    model = keras.models.load_model(filepath, custom_objects=objects or None)
+    opt = getattr(model, "optimizer", None)
+    if opt is not None and isinstance(opt, keras.optimizers.Optimizer):
+        make_distributed_inplace(opt, compression=compression)
+    return model
+

@@ -1,0 +1,175 @@
+"""Run an engine collective as TensorFlow ops, in eager mode, inside ``tf.function`` and in TF1 graphs.
+
+Eager: the tensors' numpy views are enqueued and waited for right away.
+
+Graph mode splits every collective in two ops so that no TensorFlow thread is ever blocked on a collective
+that another rank cannot finish yet:
+
+* **submit** (a stateful ``tf.numpy_function``) enqueues the numpy views of the inputs and returns at once;
+* **receive** delivers the result.  Inside ``tf.function`` (the TF2 case: Keras ``fit``, custom loops) it is a
+  ``FIFOQueue.dequeue`` -- an asynchronous kernel that holds no inter-op thread while it waits -- fed by a
+  completer thread that waits for the engine handles in submit order.  Two ranks that run independent
+  collectives in different orders therefore always make progress, whatever the size of the inter-op pool:
+  every submit runs, and the engine matches requests by name.  In TF1 graphs (``tf.compat.v1.Session``) the
+  queue would live in the session's resource manager, which Python cannot reach from outside a ``run``
+  call, so receive is a ``numpy_function`` that waits; submits still never block, so independent
+  collectives only deadlock if more of them are waiting than the session has inter-op threads *and* the
+  ranks scheduled them in different orders (with one thread the executor's order is deterministic).
+
+Errors: eager raises upstream's ``tf.errors`` types.  In graph mode TensorFlow turns every Python exception
+of a ``numpy_function`` into ``UnknownError`` except ``ValueError`` (``InvalidArgumentError``); the message
+keeps upstream's text (documented in docs/tensorflow.md).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue as _queue
+import threading
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import tensorflow as tf
+
+from horovod.common.exceptions import AbortedError, HorovodInternalError, PreconditionError, ShutdownError
+
+__all__ = ["run_collective", "to_tf_error"]
+
+log = logging.getLogger(__name__)
+
+Finish = Callable[[], list]
+Submit = Callable[[list], Finish]
+
+
+def to_tf_error(e: BaseException) -> BaseException:
+    """Map an engine exception to the ``tf.errors`` class upstream raises."""
+    if isinstance(e, tf.errors.OpError):
+        return e
+    msg = str(e)
+    if isinstance(e, PreconditionError):
+        return tf.errors.FailedPreconditionError(None, None, msg)
+    if isinstance(e, AbortedError):
+        return tf.errors.AbortedError(None, None, msg)
+    if isinstance(e, ShutdownError):
+        return tf.errors.UnknownError(None, None, msg)
+    if isinstance(e, HorovodInternalError):
+        return tf.errors.UnknownError(None, None, msg)
+    if isinstance(e, ValueError):
+        return tf.errors.InvalidArgumentError(None, None, msg)
+    return e
+
+
+def _wrap(fn: Callable):
+    def inner(*args):
+        try:
+            return fn(*args)
+        except tf.errors.OpError:
+            raise
+        except ValueError:
+            raise  # numpy_function turns it into InvalidArgumentError
+        except Exception as e:  # noqa: BLE001 - re-raised with the TF type where TF keeps it
+            raise to_tf_error(e) from e
+    return inner
+
+
+def _as_numpy(t: tf.Tensor) -> np.ndarray:
+    return t.numpy() if hasattr(t, "numpy") else np.asarray(t)
+
+
+class _Completer:
+    """Waits for engine handles in submit order and pushes results into per-site TF queues (eager ops)."""
+
+    def __init__(self) -> None:
+        self._work: _queue.SimpleQueue = _queue.SimpleQueue()
+        self._errors: dict[int, BaseException] = {}
+        self._ids = itertools.count()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def put(self, finish: Finish, tf_queue, dtypes: list[np.dtype]) -> None:
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="horovod-tf-completer", daemon=True)
+                self._thread.start()
+        self._work.put((finish, tf_queue, dtypes))
+
+    def take_error(self, err_id: int) -> BaseException:
+        with self._lock:
+            return self._errors.pop(err_id)
+
+    def _run(self) -> None:
+        while True:
+            finish, tf_queue, dtypes = self._work.get()
+            try:
+                outs = [np.asarray(o, dtype=d) for o, d in zip(finish(), dtypes)]
+                err = -1
+            except BaseException as e:  # noqa: BLE001 - delivered to the receiving op
+                with self._lock:
+                    err = next(self._ids)
+                    self._errors[err] = e
+                outs = [np.zeros(0, d) for d in dtypes]
+            try:
+                tf_queue.enqueue([*outs, np.int64(err)])
+            except Exception:  # noqa: BLE001 - the queue's owner is gone (function deleted)
+                log.debug("dropping a collective result: its receive queue is gone", exc_info=True)
+
+
+_completer = _Completer()
+_pending: dict[int, Finish] = {}
+_tokens = itertools.count(1)
+_pending_lock = threading.Lock()
+
+
+def _queue_path() -> bool:
+    """True inside ``tf.function`` (eager outside): results can travel through an eager queue."""
+    return tf.compat.v1.executing_eagerly_outside_functions()
+
+
+def run_collective(submit: Submit, inputs: Sequence[tf.Tensor], out_dtypes: Sequence[tf.DType],
+                   name: str = "Horovod") -> list[tf.Tensor]:
+    """Run ``submit`` (numpy inputs → finish() → numpy outputs) as TF ops; returns the output tensors."""
+    np_dtypes = [d.as_numpy_dtype for d in out_dtypes]
+    if tf.executing_eagerly():
+        try:
+            outs = submit([_as_numpy(t) for t in inputs])()
+        except Exception as e:  # noqa: BLE001
+            raise to_tf_error(e) from e
+        return [tf.convert_to_tensor(np.asarray(o, dtype=d)) for o, d in zip(outs, np_dtypes)]
+
+    use_queue = _queue_path()
+    tf_queue = None
+    if use_queue:
+        with tf.init_scope():
+            tf_queue = tf.queue.FIFOQueue(1 << 16, [*out_dtypes, tf.int64])
+
+    def do_submit(*arrays):
+        finish = submit(list(arrays))
+        if use_queue:
+            _completer.put(finish, tf_queue, np_dtypes)
+            return np.int64(0)
+        with _pending_lock:
+            token = next(_tokens)
+            _pending[token] = finish
+        return np.int64(token)
+
+    def do_wait(token):
+        with _pending_lock:
+            finish = _pending.pop(int(token))
+        return [np.asarray(o, dtype=d) for o, d in zip(finish(), np_dtypes)]
+
+    def check(err):
+        if err >= 0:
+            raise _completer.take_error(int(err))
+        return np.int64(0)
+
+    with tf.name_scope(name):
+        token = tf.numpy_function(_wrap(do_submit), list(inputs), tf.int64, stateful=True, name="submit")
+        if not use_queue:
+            outs = tf.numpy_function(_wrap(do_wait), [token], list(out_dtypes), stateful=True, name="wait")
+            return list(outs) if isinstance(outs, (list, tuple)) else [outs]
+        with tf.control_dependencies([token]):
+            vals = tf_queue.dequeue(name="receive")
+        ok = tf.numpy_function(_wrap(check), [vals[-1]], tf.int64, stateful=True, name="check")
+        with tf.control_dependencies([ok]):
+            return [tf.identity(v) for v in vals[:-1]]

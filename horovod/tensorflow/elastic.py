@@ -1,0 +1,130 @@
+"""Elastic training for TensorFlow: ``run``, ``TensorFlowKerasState``, ``TensorFlowState`` (docs/elastic.md)."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import tensorflow as tf
+
+from horovod.common.elastic import ObjectState, run_fn
+from horovod.common.exceptions import SHUT_DOWN_MESSAGE, HorovodInternalError
+
+__all__ = ["run", "TensorFlowKerasState", "TensorFlowState"]
+
+_HOROVOD_OPS = ("HorovodAllreduce", "HorovodAllgather", "HorovodBroadcast", SHUT_DOWN_MESSAGE[:30])
+
+
+def _reset() -> None:
+    from horovod.common import basics
+
+    basics.shutdown()
+    basics.init()
+
+
+def run(func: Callable[..., Any]) -> Callable[..., Any]:
+    """Like ``horovod.common.elastic.run_fn``; a ``tf.errors.UnknownError`` from a Horovod op counts as a
+    ``HorovodInternalError`` (the op failed because a peer is gone)."""
+
+    @functools.wraps(func)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return func(*args, **kwargs)
+        except tf.errors.UnknownError as e:
+            if any(op in str(e) for op in _HOROVOD_OPS):
+                raise HorovodInternalError(e) from e
+            raise
+
+    return run_fn(wrapped, _reset)
+
+
+def _rank() -> int:
+    from horovod.common.basics import rank
+
+    return rank()
+
+
+def _bcast_object(obj: Any, root_rank: int = 0) -> Any:
+    from horovod.common.objects import broadcast_object
+
+    return broadcast_object(obj, root_rank)
+
+
+def _optimizer_variables(optimizer: Any) -> list:
+    if optimizer is None:
+        return []
+    variables = optimizer.variables
+    return list(variables() if callable(variables) else variables)
+
+
+class TensorFlowKerasState(ObjectState):
+    """State of a Keras model and optimizer (and plain attributes / an ``ElasticSampler``).
+
+    ``save`` copies the variables' values, ``restore`` assigns them back, ``sync`` broadcasts rank 0's.
+
+    Raises:
+        ValueError: the model is not built yet (upstream's text).
+    """
+
+    def __init__(self, model: Any, optimizer: Any = None, backend: Any = None, **kwargs: Any) -> None:
+        if not model.built:
+            raise ValueError("Model must be built first. Run `model.build(input_shape)`.")
+        self.model = model
+        self.optimizer = optimizer if optimizer is not None else getattr(model, "optimizer", None)
+        self.backend = backend
+        self._saved_model_state: list = []
+        self._saved_optimizer_state: list = []
+        super().__init__(bcast_object=_bcast_object, get_rank=_rank, **kwargs)
+
+    def _variables(self) -> tuple[list, list]:
+        return list(self.model.variables), _optimizer_variables(self.optimizer)
+
+    def save(self) -> None:
+        model_vars, opt_vars = self._variables()
+        self._saved_model_state = [v.numpy().copy() for v in model_vars]
+        self._saved_optimizer_state = [v.numpy().copy() for v in opt_vars]
+        super().save()
+
+    def restore(self) -> None:
+        model_vars, opt_vars = self._variables()
+        for v, value in zip(model_vars, self._saved_model_state):
+            v.assign(value)
+        for v, value in zip(opt_vars, self._saved_optimizer_state):
+            v.assign(value)
+        super().restore()
+
+    def sync(self) -> None:
+        from horovod.tensorflow.functions import broadcast_variables
+
+        model_vars, opt_vars = self._variables()
+        broadcast_variables(model_vars + opt_vars, root_rank=0)
+        super().sync()
+        self.save()
+
+
+class TensorFlowState(ObjectState):
+    """State of a list of ``tf.Variable``s (eager; ``session`` is accepted for compatibility)."""
+
+    def __init__(self, variables: list | None = None, session: Any = None, **kwargs: Any) -> None:
+        self.variables = list(variables or [])
+        self.session = session
+        self._values: list = []
+        super().__init__(bcast_object=_bcast_object, get_rank=_rank, **kwargs)
+
+    def save(self) -> None:
+        self._values = [v.numpy().copy() for v in self.variables]
+        super().save()
+
+    def restore(self) -> None:
+        for v, value in zip(self.variables, self._values):
+            v.assign(value)
+        super().restore()
+
+    def sync(self) -> None:
+        from horovod.tensorflow.functions import broadcast_variables
+
+        if self.variables:
+            broadcast_variables(self.variables, root_rank=0)
+        super().sync()
+        self.save()

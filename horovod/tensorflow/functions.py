@@ -1,0 +1,75 @@
+"""Variable and object broadcasts (``horovod.tensorflow.functions``).
+
+Objects travel as pickled bytes over the engine's byte collectives directly -- no TF graph is needed, so
+``session`` arguments are accepted for compatibility and ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+from horovod.common import objects as _objects
+from horovod.common import ops as _ops
+from horovod.common.process_sets import ProcessSet, global_process_set
+from horovod.tensorflow._bridge import to_tf_error
+from horovod.tensorflow.mpi_ops import _normalize_name, broadcast
+
+__all__ = ["broadcast_variables", "broadcast_object", "broadcast_object_fn", "allgather_object"]
+
+
+def _var_names(variables) -> list[str]:
+    return [f"HorovodBroadcast_{i}_{_normalize_name(getattr(v, 'name', 'var'))}" for i, v in enumerate(variables)]
+
+
+def broadcast_variables(variables, root_rank: int, process_set: ProcessSet = global_process_set,
+                        inplace: bool = False):
+    """Assign ``root_rank``'s values to ``variables`` on every member.
+
+    Eager: every broadcast is enqueued before the first wait, so they travel together.  Graph mode: returns
+    the group op of the assignments.
+    """
+    variables = list(variables)
+    names = _var_names(variables)
+    if tf.executing_eagerly():
+        try:
+            handles = [_ops.broadcast(v.numpy() if hasattr(v, "numpy") else np.asarray(v), root_rank, name=n,
+                                      process_set=process_set) for v, n in zip(variables, names)]
+            values = [h.wait() for h in handles]
+        except Exception as e:  # noqa: BLE001
+            raise to_tf_error(e) from e
+        for v, value in zip(variables, values):
+            v.assign(value)
+        return None
+    return tf.group(*[v.assign(broadcast(v, root_rank, name=n, process_set=process_set))
+                      for v, n in zip(variables, names)])
+
+
+def broadcast_object(obj: Any, root_rank: int = 0, session=None, name: str | None = None,
+                     process_set: ProcessSet = global_process_set) -> Any:
+    """Return ``root_rank``'s ``obj`` (any cloudpickle-able object) on every member."""
+    try:
+        return _objects.broadcast_object(obj, root_rank, name=name, process_set=process_set)
+    except Exception as e:  # noqa: BLE001
+        raise to_tf_error(e) from e
+
+
+def broadcast_object_fn(root_rank: int = 0, session=None, name: str | None = None,
+                        process_set: ProcessSet = global_process_set):
+    """Return ``fn(obj)`` that broadcasts ``obj`` from ``root_rank`` (upstream's TF1 placeholder variant)."""
+    name = name or "broadcast_object_fn"
+
+    def fn(obj: Any) -> Any:
+        return broadcast_object(obj, root_rank, name=name, process_set=process_set)
+    return fn
+
+
+def allgather_object(obj: Any, session=None, name: str | None = None,
+                     process_set: ProcessSet = global_process_set) -> list[Any]:
+    """Return every member's ``obj`` as a list ordered by rank within the set."""
+    try:
+        return _objects.allgather_object(obj, name=name, process_set=process_set)
+    except Exception as e:  # noqa: BLE001
+        raise to_tf_error(e) from e

@@ -1,0 +1,478 @@
+"""Horovod's collectives as TensorFlow ops (eager, ``tf.function``, TF1 graphs) with upstream's names and gradients.
+
+Every op converts tensors to numpy, calls the shared submit function of :mod:`horovod.common.ops`, and wraps
+the result (see :mod:`horovod.tensorflow._bridge` for how graph mode avoids blocking TensorFlow's threads).
+Automatic names follow upstream in graph mode (``HorovodAllreduce_<tensor name>``, the negotiation key, the
+same on every rank because every rank builds the same graph); in eager mode ``name=None`` gets a call counter.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+import numpy as np
+import tensorflow as tf
+
+from horovod.common import basics as _basics_mod
+from horovod.common import ops as _ops
+from horovod.common.basics import Adasum, Average, Max, Min, Product, Sum
+from horovod.common.process_sets import ProcessSet, global_process_set
+from horovod.tensorflow._bridge import run_collective
+
+__all__ = [
+    "allreduce", "_allreduce", "grouped_allreduce", "allgather", "grouped_allgather", "broadcast",
+    "broadcast_", "alltoall", "reducescatter", "grouped_reducescatter", "join", "barrier", "size_op",
+    "local_size_op", "rank_op", "local_rank_op", "process_set_included_op", "Average", "Sum", "Adasum", "Min",
+    "Max", "Product", "handle_average_backwards_compatibility", "_basics", "_normalize_name",
+]
+
+_basics = _basics_mod.HorovodBasics()
+handle_average_backwards_compatibility = _ops.handle_average_backwards_compatibility
+
+
+def _normalize_name(name: str) -> str:
+    """Upstream's normalisation: anything outside ``[a-zA-Z0-9_]`` becomes ``_``."""
+    return re.sub("[^a-zA-Z0-9_]", "_", name)
+
+
+def _core_name(prefix: str, tensor, name: str | None, ignore_name_scope: bool) -> str | None:
+    """The negotiation key: ``None`` in eager mode without a name (the engine numbers calls)."""
+    if tf.executing_eagerly():
+        return name
+    if name is None:
+        name = f"{prefix}_{_normalize_name(tensor.name)}"
+    graph = tf.compat.v1.get_default_graph()
+    full = graph.unique_name(name)
+    if ignore_name_scope:
+        full = full.rsplit("/", 1)[-1]
+    return full
+
+
+def _set_size(process_set: ProcessSet) -> int:
+    ranks = _basics_mod.engine().set_ranks(process_set.process_set_id) \
+        if process_set.process_set_id is not None else None
+    return len(ranks) if ranks else _basics_mod.size()
+
+
+def _set_rank(process_set: ProcessSet) -> int:
+    ranks = _basics_mod.engine().set_ranks(process_set.process_set_id) or []
+    me = _basics_mod.rank()
+    return ranks.index(me) if me in ranks else 0
+
+
+# ---------------------------------------------------------------------------------------------- allreduce
+def _grouped_allreduce_raw(tensors: Sequence[tf.Tensor], *, op: int, prescale_factor: float,
+                           postscale_factor: float, name: str | None, process_set: ProcessSet,
+                           grouped: bool) -> list[tf.Tensor]:
+    tensors = [tf.convert_to_tensor(t) for t in tensors]
+
+    def submit(arrays):
+        if grouped:
+            handles = _ops.grouped_allreduce(arrays, name=name, op=op, prescale_factor=prescale_factor,
+                                             postscale_factor=postscale_factor, process_set=process_set)
+        else:
+            handles = [_ops.allreduce(arrays[0], name=name, op=op, prescale_factor=prescale_factor,
+                                      postscale_factor=postscale_factor, process_set=process_set)]
+        return lambda: [h.wait() for h in handles]
+
+    outs = run_collective(submit, tensors, [t.dtype for t in tensors], "HorovodAllreduce")
+    for o, t in zip(outs, tensors):
+        o.set_shape(t.shape)
+    return outs
+
+
+def _allreduce(tensor, name: str | None = None, op: int = Sum, prescale_factor: float = 1.0,
+               postscale_factor: float = 1.0, ignore_name_scope: bool = False,
+               process_set: ProcessSet = global_process_set) -> tf.Tensor:
+    """Raw allreduce op (no compression, no IndexedSlices) with its gradient."""
+    tensor = tf.convert_to_tensor(tensor)
+    core = _core_name("HorovodAllreduce", tensor, name, ignore_name_scope)
+
+    @tf.custom_gradient
+    def fwd(x):
+        out = _grouped_allreduce_raw([x], op=op, prescale_factor=prescale_factor,
+                                     postscale_factor=postscale_factor, name=core, process_set=process_set,
+                                     grouped=False)[0]
+
+        def grad(dy):
+            return _allreduce(dy, op=op, prescale_factor=prescale_factor, postscale_factor=postscale_factor,
+                              ignore_name_scope=ignore_name_scope, process_set=process_set)
+        return out, grad
+
+    return fwd(tensor)
+
+
+def allreduce(tensor, average: bool | None = None, device_dense: str = "", device_sparse: str = "",
+              compression=None, op: int | None = None, prescale_factor: float = 1.0,
+              postscale_factor: float = 1.0, name: str | None = None,
+              process_set: ProcessSet = global_process_set, ignore_name_scope: bool = False):
+    """Reduce ``tensor`` over the process set (default: average); ``tf.IndexedSlices`` are allgathered.
+
+    Example::
+
+        avg = hvd.allreduce(tf.constant([1.0, 2.0]))           # same on every rank
+        total = hvd.allreduce(x, op=hvd.Sum, name="total")
+    """
+    from horovod.tensorflow.compression import Compression
+
+    compression = compression or Compression.none
+    op = handle_average_backwards_compatibility(op, average)
+    if isinstance(tensor, tf.IndexedSlices):
+        if op == Adasum:
+            raise NotImplementedError("The Adasum reduction does not currently support sparse tensors. As a "
+                                      "workaround please pass sparse_as_dense=True to DistributedOptimizer")
+        if op not in (Average, Sum):
+            raise NotImplementedError("Only Sum and Average ops are supported with tf.IndexedSlices")
+        if prescale_factor != 1.0 or postscale_factor != 1.0:
+            raise NotImplementedError("Pre/postscale_factor are not supported with tf.IndexedSlices")
+        base = name or (None if tf.executing_eagerly() else f"HorovodAllgather_{_normalize_name(tensor.values.name)}")
+        values = allgather(tensor.values, name=None if base is None else base + "_values",
+                           process_set=process_set, ignore_name_scope=ignore_name_scope)
+        indices = allgather(tensor.indices, name=None if base is None else base + "_indices",
+                            process_set=process_set, ignore_name_scope=ignore_name_scope)
+        if op == Average:
+            values = values / tf.cast(_set_size(process_set), values.dtype)
+        return tf.IndexedSlices(values, indices, dense_shape=tensor.dense_shape)
+    if op == Adasum:
+        raise NotImplementedError("The Adasum reduction is not supported by the built-in transport.")
+    tensor = tf.convert_to_tensor(tensor)
+    compressed, ctx = compression.compress(tensor)
+    reduced = _allreduce(compressed, name=name, op=op, prescale_factor=prescale_factor,
+                         postscale_factor=postscale_factor, ignore_name_scope=ignore_name_scope,
+                         process_set=process_set)
+    return compression.decompress(reduced, ctx)
+
+
+def grouped_allreduce(tensors, average: bool | None = None, device_dense: str = "", device_sparse: str = "",
+                      compression=None, op: int | None = None, prescale_factor: float = 1.0,
+                      postscale_factor: float = 1.0, process_set: ProcessSet = global_process_set,
+                      ignore_name_scope: bool = False, name: str | None = None):
+    """Allreduce a list of tensors as one group (negotiated and fused together)."""
+    from horovod.tensorflow.compression import Compression
+
+    if not tensors:
+        return tensors
+    compression = compression or Compression.none
+    op = handle_average_backwards_compatibility(op, average)
+    if any(isinstance(t, tf.IndexedSlices) for t in tensors):
+        return [allreduce(t, op=op, compression=compression, prescale_factor=prescale_factor,
+                          postscale_factor=postscale_factor, process_set=process_set,
+                          name=None if name is None else f"{name}_{i}", ignore_name_scope=ignore_name_scope)
+                for i, t in enumerate(tensors)]
+    if op == Adasum:
+        raise NotImplementedError("The Adasum reduction is not supported by the built-in transport.")
+    tensors = [tf.convert_to_tensor(t) for t in tensors]
+    if len({t.dtype for t in tensors}) > 1:
+        raise tf.errors.InvalidArgumentError(None, None,
+                                             "Tensors in a grouped allreduce must all have the same dtype.")
+    pairs = [compression.compress(t) for t in tensors]
+    if tf.executing_eagerly():
+        core = name
+    else:
+        first, last = _normalize_name(tensors[0].name), _normalize_name(tensors[-1].name)
+        core = _core_name("HorovodGroupedAllreduce", tensors[0], name or f"HorovodGroupedAllreduce_{first}_{last}",
+                          ignore_name_scope)
+
+    @tf.custom_gradient
+    def fwd(*xs):
+        outs = _grouped_allreduce_raw(list(xs), op=op, prescale_factor=prescale_factor,
+                                      postscale_factor=postscale_factor, name=core, process_set=process_set,
+                                      grouped=True)
+
+        def grad(*dys):
+            return grouped_allreduce(list(dys), op=op, prescale_factor=prescale_factor,
+                                     postscale_factor=postscale_factor, process_set=process_set,
+                                     ignore_name_scope=ignore_name_scope)
+        return outs, grad
+
+    reduced = fwd(*[c for c, _ in pairs])
+    return [compression.decompress(r, ctx) for r, (_, ctx) in zip(reduced, pairs)]
+
+
+# ---------------------------------------------------------------------------------------------- allgather
+def _allgather_raw(tensors: list[tf.Tensor], name: str | None, process_set: ProcessSet,
+                   grouped: bool) -> list[tf.Tensor]:
+    def submit(arrays):
+        if grouped:
+            handles = _ops.grouped_allgather(arrays, name=name, process_set=process_set)
+        else:
+            handles = [_ops.allgather(arrays[0], name=name, process_set=process_set)]
+        return lambda: [h.wait() for h in handles]
+
+    outs = run_collective(submit, tensors, [t.dtype for t in tensors], "HorovodAllgather")
+    for o, t in zip(outs, tensors):
+        if t.shape.rank is not None:
+            o.set_shape([None] + t.shape.as_list()[1:] if t.shape.rank > 0 else [None])
+    return outs
+
+
+def _allgather_grad(dy, x, process_set: ProcessSet, ignore_name_scope: bool):
+    dy = _allreduce(dy, op=Average, ignore_name_scope=ignore_name_scope, process_set=process_set)
+    d = tf.reshape(tf.shape(x, out_type=tf.int32)[0], [1])
+    sizes = _allgather_raw([d], _core_name("HorovodAllgather", d, None, ignore_name_scope), process_set, False)[0]
+    offset = tf.reduce_sum(sizes[:_set_rank(process_set)])
+    return dy[offset:offset + d[0]]
+
+
+def allgather(tensor, name: str | None = None, ignore_name_scope: bool = False,
+              process_set: ProcessSet = global_process_set) -> tf.Tensor:
+    """Concatenate every member's ``tensor`` along dimension 0 (sizes may differ per rank)."""
+    tensor = tf.convert_to_tensor(tensor)
+    core = _core_name("HorovodAllgather", tensor, name, ignore_name_scope)
+
+    @tf.custom_gradient
+    def fwd(x):
+        out = _allgather_raw([x], core, process_set, False)[0]
+
+        def grad(dy):
+            return _allgather_grad(dy, x, process_set, ignore_name_scope)
+        return out, grad
+
+    return fwd(tensor)
+
+
+def grouped_allgather(tensors, name: str | None = None, ignore_name_scope: bool = False,
+                      process_set: ProcessSet = global_process_set):
+    """Allgather a list of tensors as one group."""
+    if not tensors:
+        return tensors
+    tensors = [tf.convert_to_tensor(t) for t in tensors]
+    if tf.executing_eagerly():
+        core = name
+    else:
+        first, last = _normalize_name(tensors[0].name), _normalize_name(tensors[-1].name)
+        core = _core_name("HorovodGroupedAllgather", tensors[0], name or f"HorovodGroupedAllgather_{first}_{last}",
+                          ignore_name_scope)
+
+    @tf.custom_gradient
+    def fwd(*xs):
+        outs = _allgather_raw(list(xs), core, process_set, True)
+
+        def grad(*dys):
+            return [_allgather_grad(dy, x, process_set, ignore_name_scope) for dy, x in zip(dys, xs)]
+        return outs, grad
+
+    return fwd(*tensors)
+
+
+# ---------------------------------------------------------------------------------------------- broadcast
+def _broadcast_raw(tensor: tf.Tensor, root_rank: int, name: str | None, process_set: ProcessSet) -> tf.Tensor:
+    def submit(arrays):
+        h = _ops.broadcast(arrays[0], int(root_rank), name=name, process_set=process_set)
+        return lambda: [h.wait()]
+
+    out = run_collective(submit, [tensor], [tensor.dtype], "HorovodBroadcast")[0]
+    out.set_shape(tensor.shape)
+    return out
+
+
+def broadcast(tensor, root_rank: int, name: str | None = None, ignore_name_scope: bool = False,
+              process_set: ProcessSet = global_process_set) -> tf.Tensor:
+    """Return ``root_rank``'s ``tensor`` on every member (``root_rank`` is a global rank)."""
+    tensor = tf.convert_to_tensor(tensor)
+    core = _core_name("HorovodBroadcast", tensor, name, ignore_name_scope)
+
+    @tf.custom_gradient
+    def fwd(x):
+        out = _broadcast_raw(x, root_rank, core, process_set)
+
+        def grad(dy):
+            reduced = _allreduce(dy, op=Average, ignore_name_scope=ignore_name_scope, process_set=process_set)
+            return reduced if _basics_mod.rank() == root_rank else reduced * 0
+        return out, grad
+
+    return fwd(tensor)
+
+
+def broadcast_(variables, root_rank: int, name: str | None = None,
+               process_set: ProcessSet = global_process_set):
+    """In-place broadcast of variables from ``root_rank``; returns the updated values."""
+    single = not isinstance(variables, (list, tuple))
+    vs = [variables] if single else list(variables)
+    kinds = {isinstance(v, tf.Variable) for v in vs}
+    if kinds != {True}:
+        raise ValueError("broadcast_ requires all arguments to be tf.Variable (resource variables)")
+    outs = []
+    for i, v in enumerate(vs):
+        vname = None if name is None else (name if single else f"{name}_{i}")
+        value = broadcast(v.read_value() if hasattr(v, "read_value") else v, root_rank,
+                          name=vname, process_set=process_set)
+        outs.append(v.assign(value))
+    return outs[0] if single else outs
+
+
+# ---------------------------------------------------------------------------------------------- alltoall
+def alltoall(tensor, splits=None, name: str | None = None, ignore_name_scope: bool = False,
+             process_set: ProcessSet = global_process_set):
+    """Scatter slices of ``tensor`` to members; returns ``output`` or ``(output, received_splits)``."""
+    tensor = tf.convert_to_tensor(tensor)
+    core = _core_name("HorovodAlltoall", tensor, name, ignore_name_scope)
+    with_splits = splits is not None
+    split_t = tf.convert_to_tensor(splits if with_splits else np.zeros(0, np.int32))
+    if with_splits and split_t.dtype != tf.int32:
+        raise tf.errors.InvalidArgumentError(None, None,
+                                             "alltoall expects splits to contain 32-bit integer elements.")
+
+    def submit(arrays):
+        h = _ops.alltoall(arrays[0], arrays[1] if with_splits else None, name=core, process_set=process_set)
+
+        def finish():
+            out, received = h.wait()
+            return [out, np.asarray(received, np.int32)]
+        return finish
+
+    @tf.custom_gradient
+    def fwd(x):
+        out, received = run_collective(submit, [x, split_t], [x.dtype, tf.int32], "HorovodAlltoall")
+        if x.shape.rank is not None and x.shape.rank > 0:
+            out.set_shape([None] + x.shape.as_list()[1:])
+        received.set_shape([None])
+
+        def grad(dy, _unused=None):
+            return alltoall(dy, splits=received, ignore_name_scope=ignore_name_scope, process_set=process_set)[0]
+        return (out, received), grad
+
+    out, received = fwd(tensor)
+    return (out, received) if with_splits else out
+
+
+# ---------------------------------------------------------------------------------------------- reducescatter
+def _reducescatter_raw(tensors, *, op, prescale_factor, postscale_factor, name, process_set, grouped):
+    def submit(arrays):
+        if grouped:
+            handles = _ops.grouped_reducescatter(arrays, name=name, op=op, prescale_factor=prescale_factor,
+                                                 postscale_factor=postscale_factor, process_set=process_set)
+        else:
+            handles = [_ops.reducescatter(arrays[0], name=name, op=op, prescale_factor=prescale_factor,
+                                          postscale_factor=postscale_factor, process_set=process_set)]
+        return lambda: [h.wait() for h in handles]
+
+    outs = run_collective(submit, tensors, [t.dtype for t in tensors], "HorovodReducescatter")
+    for o, t in zip(outs, tensors):
+        if t.shape.rank is not None and t.shape.rank > 0:
+            o.set_shape([None] + t.shape.as_list()[1:])
+    return outs
+
+
+def _reducescatter_grad(dy, op, process_set, ignore_name_scope):
+    g = allgather(dy, ignore_name_scope=ignore_name_scope, process_set=process_set)
+    if op == Average:
+        g = g / tf.cast(_set_size(process_set), g.dtype)
+    return g
+
+
+def _check_rs_op(op):
+    if op not in (Average, Sum):
+        raise tf.errors.InvalidArgumentError(None, None, "Reducescatter currently only supports AVERAGE and SUM.")
+
+
+def reducescatter(tensor, device_dense: str = "", compression=None, op: int = Average, name: str | None = None,
+                  process_set: ProcessSet = global_process_set, ignore_name_scope: bool = False,
+                  prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> tf.Tensor:
+    """Reduce over members and return this member's block of dimension 0 (earlier ranks get extra rows)."""
+    from horovod.tensorflow.compression import Compression
+
+    compression = compression or Compression.none
+    _check_rs_op(op)
+    tensor = tf.convert_to_tensor(tensor)
+    core = _core_name("HorovodReducescatter", tensor, name, ignore_name_scope)
+    compressed, ctx = compression.compress(tensor)
+
+    @tf.custom_gradient
+    def fwd(x):
+        out = _reducescatter_raw([x], op=op, prescale_factor=prescale_factor, postscale_factor=postscale_factor,
+                                 name=core, process_set=process_set, grouped=False)[0]
+
+        def grad(dy):
+            return _reducescatter_grad(dy, op, process_set, ignore_name_scope)
+        return out, grad
+
+    return compression.decompress(fwd(compressed), ctx)
+
+
+def grouped_reducescatter(tensors, device_dense: str = "", compression=None, op: int = Average,
+                          process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
+                          postscale_factor: float = 1.0, name: str | None = None,
+                          ignore_name_scope: bool = False):
+    """Reducescatter a list of tensors as one group."""
+    from horovod.tensorflow.compression import Compression
+
+    if not tensors:
+        return tensors
+    compression = compression or Compression.none
+    _check_rs_op(op)
+    tensors = [tf.convert_to_tensor(t) for t in tensors]
+    if tf.executing_eagerly():
+        core = name
+    else:
+        first, last = _normalize_name(tensors[0].name), _normalize_name(tensors[-1].name)
+        core = _core_name("HorovodGroupedReducescatter", tensors[0],
+                          name or f"HorovodGroupedReducescatter_{first}_{last}", ignore_name_scope)
+    pairs = [compression.compress(t) for t in tensors]
+
+    @tf.custom_gradient
+    def fwd(*xs):
+        outs = _reducescatter_raw(list(xs), op=op, prescale_factor=prescale_factor,
+                                  postscale_factor=postscale_factor, name=core, process_set=process_set,
+                                  grouped=True)
+
+        def grad(*dys):
+            return [_reducescatter_grad(dy, op, process_set, ignore_name_scope) for dy in dys]
+        return outs, grad
+
+    outs = fwd(*[c for c, _ in pairs])
+    return [compression.decompress(o, ctx) for o, (_, ctx) in zip(outs, pairs)]
+
+
+# ---------------------------------------------------------------------------------------------- join / barrier
+def join() -> tf.Tensor:
+    """Stop contributing until every rank joined; returns (int32 scalar) the last rank that joined."""
+    def submit(_arrays):
+        h = _ops.join()
+        return lambda: [np.int32(h.wait())]
+
+    out = run_collective(submit, [tf.constant(0)], [tf.int32], "HorovodJoin")[0]
+    out.set_shape([])
+    return out
+
+
+def barrier(process_set: ProcessSet = global_process_set):
+    """Block until every member of ``process_set`` reached the barrier (an op in graph mode)."""
+    def submit(_arrays):
+        h = _ops.barrier(process_set)
+        return lambda: [h.wait(), np.int32(0)][1:]
+
+    out = run_collective(submit, [tf.constant(0)], [tf.int32], "HorovodBarrier")[0]
+    return None if tf.executing_eagerly() else out
+
+
+# ---------------------------------------------------------------------------------------------- graph-time ints
+def _int_op(fn, name: str | None) -> tf.Tensor:
+    if tf.executing_eagerly():
+        return tf.constant(fn(), dtype=tf.int32)
+    out = tf.numpy_function(lambda: np.int32(fn()), [], tf.int32, stateful=True, name=name)
+    out.set_shape([])
+    return out
+
+
+def size_op(process_set_id: int = 0, name: str | None = None) -> tf.Tensor:
+    """Number of ranks in the process set, evaluated when the graph runs."""
+    return _int_op(lambda: len(_basics_mod.engine().set_ranks(process_set_id) or []), name)
+
+
+def local_size_op(name: str | None = None) -> tf.Tensor:
+    return _int_op(_basics_mod.local_size, name)
+
+
+def rank_op(name: str | None = None) -> tf.Tensor:
+    return _int_op(_basics_mod.rank, name)
+
+
+def local_rank_op(name: str | None = None) -> tf.Tensor:
+    return _int_op(_basics_mod.local_rank, name)
+
+
+def process_set_included_op(process_set_id: int = 0, name: str | None = None) -> tf.Tensor:
+    return _int_op(lambda: int(_basics_mod.rank() in (_basics_mod.engine().set_ranks(process_set_id) or [])),
+                   name)

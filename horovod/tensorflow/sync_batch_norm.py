@@ -1,0 +1,41 @@
+"""SyncBatchNormalization: batch statistics computed over every rank's batch."""
+
+from __future__ import annotations
+
+import keras
+import tensorflow as tf
+
+from horovod.common import basics as _basics
+from horovod.tensorflow.mpi_ops import Sum, _allreduce
+
+__all__ = ["SyncBatchNormalization"]
+
+
+class SyncBatchNormalization(keras.layers.BatchNormalization):
+    """Batch normalization whose mean and variance are those of the global batch (all ranks).
+
+    Each rank contributes ``[mean, var + mean**2]`` of its batch; a Sum-allreduce divided by the size gives
+    E[x] and E[x**2], so var = E[x**2] - E[x]**2 (equal per-rank batch sizes, as upstream assumes).
+    """
+
+    def __init__(self, fused: bool | None = False, **kwargs) -> None:
+        if fused in (True, None):
+            raise ValueError("SyncBatchNormalization does not support fused=True.")
+        if not kwargs.get("name"):
+            kwargs["name"] = "sync_batch_normalization"
+        super().__init__(**kwargs)
+
+    def _moments(self, inputs, mask):
+        mean, variance = super()._moments(inputs, mask)
+        size = _basics.size() if _basics.is_initialized() else 1
+        if size <= 1:
+            return mean, variance
+        stacked = tf.stack([mean, variance + tf.square(mean)])
+        total = _allreduce(stacked, op=Sum) / tf.cast(size, stacked.dtype)
+        g_mean = total[0]
+        return g_mean, total[1] - tf.square(g_mean)
+
+    def get_config(self) -> dict:
+        config = super().get_config()
+        config.pop("synchronized", None)
+        return config

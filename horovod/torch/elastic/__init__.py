@@ -1,27 +1,35 @@
-"""Elastic training for torch (``hvd.elastic.run``, ``TorchState``, ``ElasticSampler``).
-
-Not implemented yet (tracked by the elastic issue); the module exists so ``hvd.elastic`` imports as
-upstream's does.  Using any of its names raises ``NotImplementedError``.
-"""
+"""Elastic training for torch: ``hvd.elastic.run``, ``TorchState``, ``ElasticSampler`` (docs/elastic.md)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
+
+from horovod.common.elastic import run_fn
+from horovod.torch.elastic.sampler import ElasticSampler
+from horovod.torch.elastic.state import TorchState
 
 __all__ = ["run", "TorchState", "ElasticSampler"]
 
-_MESSAGE = "horovod.torch.elastic is not implemented yet; run without elastic mode."
+
+def _reset() -> None:
+    from horovod.common import basics
+
+    basics.shutdown()
+    basics.init()
 
 
-def run(func: Any) -> Any:
-    raise NotImplementedError(_MESSAGE)
+def run(func: Callable[..., Any]) -> Callable[..., Any]:
+    """Decorate ``train(state, ...)``: retried from the last commit after failures and host changes.
 
+    Example::
 
-class TorchState:
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        raise NotImplementedError(_MESSAGE)
+        @hvd.elastic.run
+        def train(state):
+            for state.epoch in range(state.epoch, epochs):
+                ...
+                state.commit()
 
-
-class ElasticSampler:
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        raise NotImplementedError(_MESSAGE)
+        train(hvd.elastic.TorchState(model, optimizer, sampler=sampler, epoch=0))
+    """
+    return run_fn(func, _reset)

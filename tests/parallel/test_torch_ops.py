@@ -1,0 +1,297 @@
+"""horovod.torch collectives against numpy, on every rank in lockstep (run under horovodrun, any size).
+
+Every op × dtype × sync/async/in-place × process set (global, and the even ranks added dynamically).
+Data are small integers, so sums and products are exact in every dtype, bfloat16 included.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+import horovod.torch as hvd
+from horovod.common.exceptions import HorovodInternalError
+
+hvd.init(process_sets="dynamic")
+RANK, SIZE = hvd.rank(), hvd.size()
+EVEN = hvd.add_process_set(list(range(0, SIZE, 2))) if SIZE > 1 else None
+SETS = {"global": hvd.global_process_set, "even": EVEN or hvd.global_process_set}
+
+REDUCE_DTYPES = [torch.int32, torch.int64, torch.float16, torch.bfloat16, torch.float32, torch.float64]
+MOVE_DTYPES = REDUCE_DTYPES + [torch.uint8, torch.int8, torch.int16, torch.bool]
+OPS = {"sum": hvd.Sum, "average": hvd.Average, "min": hvd.Min, "max": hvd.Max, "product": hvd.Product}
+
+
+def data(rank: int, shape, dtype: torch.dtype, low: int = -3, high: int = 4) -> torch.Tensor:
+    """Deterministic per-rank values in [low, high) (non-negative for unsigned and bool)."""
+    gen = torch.Generator().manual_seed(1000 + rank)
+    if dtype in (torch.uint8, torch.bool):
+        low = 0
+    if dtype == torch.bool:
+        high = 2
+    return torch.randint(low, high, shape, generator=gen).to(dtype)
+
+
+def members(ps) -> list[int]:
+    return list(ps.ranks)
+
+
+def as_np(t: torch.Tensor) -> np.ndarray:
+    return t.to(torch.float64).numpy() if t.dtype in (torch.bfloat16, torch.float16) else t.numpy()
+
+
+def expected_reduce(ps, op, dtype, shape) -> np.ndarray:
+    stack = np.stack([data(r, shape, dtype).to(torch.float64).numpy() for r in members(ps)])
+    n = len(members(ps))
+    if op == hvd.Sum:
+        return stack.sum(0)
+    if op == hvd.Average:
+        total = stack.sum(0) / n
+        return np.trunc(total) if not dtype.is_floating_point else total
+    if op == hvd.Min:
+        return stack.min(0)
+    if op == hvd.Max:
+        return stack.max(0)
+    return stack.prod(0)
+
+
+def tol(dtype):
+    return {torch.float16: 2e-3, torch.bfloat16: 1e-2}.get(dtype, 1e-6)
+
+
+def skip_if_not_member(ps):
+    if RANK not in ps.ranks:
+        pytest.skip("not a member of this process set")
+
+
+@pytest.mark.parametrize("set_name", list(SETS))
+@pytest.mark.parametrize("mode", ["sync", "async", "inplace", "inplace_async"])
+@pytest.mark.parametrize("op_name", list(OPS))
+@pytest.mark.parametrize("dtype", REDUCE_DTYPES, ids=str)
+def test_allreduce(set_name, mode, op_name, dtype):
+    ps, op = SETS[set_name], OPS[op_name]
+    skip_if_not_member(ps)
+    shape = (3, 5)
+    x = data(RANK, shape, dtype)
+    orig = x.clone()
+    if mode == "sync":
+        out = hvd.allreduce(x, op=op, process_set=ps)
+        assert torch.equal(x, orig), "out-of-place allreduce must not touch its input"
+    elif mode == "async":
+        out = hvd.synchronize(hvd.allreduce_async(x, op=op, process_set=ps))
+    elif mode == "inplace":
+        out = hvd.allreduce_(x, op=op, process_set=ps)
+        assert out is x
+    else:
+        h = hvd.allreduce_async_(x, op=op, process_set=ps)
+        out = hvd.synchronize(h)
+        assert out is x
+    assert out.dtype == dtype and out.shape == shape
+    np.testing.assert_allclose(as_np(out).astype(np.float64), expected_reduce(ps, op, dtype, shape),
+                               rtol=tol(dtype), atol=tol(dtype))
+
+
+@pytest.mark.parametrize("set_name", list(SETS))
+@pytest.mark.parametrize("inplace", [False, True])
+@pytest.mark.parametrize("dtype", [torch.int32, torch.float16, torch.bfloat16, torch.float32], ids=str)
+def test_grouped_allreduce(set_name, inplace, dtype):
+    ps = SETS[set_name]
+    skip_if_not_member(ps)
+    shapes = [(4,), (2, 3), ()]
+    xs = [data(RANK, s, dtype) for s in shapes]
+    if inplace:
+        outs = hvd.grouped_allreduce_(xs, op=hvd.Sum, process_set=ps)
+        assert all(o is x for o, x in zip(outs, xs))
+    else:
+        outs = hvd.synchronize(hvd.grouped_allreduce_async(xs, op=hvd.Sum, process_set=ps))
+        assert isinstance(outs, tuple)
+    for out, s in zip(outs, shapes):
+        np.testing.assert_allclose(as_np(out), expected_reduce(ps, hvd.Sum, dtype, s), rtol=tol(dtype))
+
+
+def test_prescale_postscale():
+    x = torch.full((4,), float(RANK + 1))
+    out = hvd.allreduce(x, op=hvd.Sum, prescale_factor=2.0, postscale_factor=0.5)
+    assert torch.allclose(out, torch.full((4,), float(sum(range(1, SIZE + 1)))))
+    xi = torch.full((3,), 3, dtype=torch.int32)
+    out = hvd.allreduce(xi, op=hvd.Sum, postscale_factor=0.5)  # integers scaled in float64, truncated
+    assert torch.equal(out, torch.full((3,), int(3 * SIZE * 0.5), dtype=torch.int32))
+
+
+@pytest.mark.parametrize("set_name", list(SETS))
+@pytest.mark.parametrize("mode", ["sync", "async", "grouped"])
+@pytest.mark.parametrize("dtype", MOVE_DTYPES, ids=str)
+def test_allgather(set_name, mode, dtype):
+    ps = SETS[set_name]
+    skip_if_not_member(ps)
+    x = data(RANK, (RANK + 1, 2), dtype)  # different first dimension per rank
+    if mode == "sync":
+        out = hvd.allgather(x, process_set=ps)
+    elif mode == "async":
+        out = hvd.synchronize(hvd.allgather_async(x, process_set=ps))
+    else:
+        out, out2 = hvd.grouped_allgather([x, x[:, :1]], process_set=ps)
+        assert torch.equal(out2, out[:, :1])
+    expected = torch.cat([data(r, (r + 1, 2), dtype) for r in members(ps)])
+    assert out.dtype == dtype and torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("set_name", list(SETS))
+@pytest.mark.parametrize("mode", ["sync", "async", "inplace", "inplace_async"])
+@pytest.mark.parametrize("dtype", MOVE_DTYPES, ids=str)
+def test_broadcast(set_name, mode, dtype):
+    ps = SETS[set_name]
+    skip_if_not_member(ps)
+    for root in members(ps):
+        x = data(RANK, (2, 3), dtype)
+        if mode == "sync":
+            out = hvd.broadcast(x, root, process_set=ps)
+        elif mode == "async":
+            out = hvd.synchronize(hvd.broadcast_async(x, root, process_set=ps))
+        elif mode == "inplace":
+            out = hvd.broadcast_(x, root, process_set=ps)
+            assert out is x
+        else:
+            out = hvd.synchronize(hvd.broadcast_async_(x, root, process_set=ps))
+            assert out is x
+        assert torch.equal(out, data(root, (2, 3), dtype))
+
+
+@pytest.mark.parametrize("set_name", list(SETS))
+@pytest.mark.parametrize("with_splits", [False, True])
+@pytest.mark.parametrize("dtype", MOVE_DTYPES, ids=str)
+def test_alltoall(set_name, with_splits, dtype):
+    ps = SETS[set_name]
+    skip_if_not_member(ps)
+    ranks = members(ps)
+    n, me = len(ranks), ranks.index(RANK)
+
+    def splits_of(i):  # rank at set position i sends j+i+1 rows... to member j
+        return [j + i + 1 for j in range(n)] if with_splits else [2] * n
+
+    def tensor_of(i):
+        return data(ranks[i], (sum(splits_of(i)), 3), dtype)
+
+    x = tensor_of(me)
+    if with_splits:
+        out, received = hvd.alltoall(x, splits=torch.tensor(splits_of(me), dtype=torch.int32), process_set=ps)
+        assert received.tolist() == [splits_of(i)[me] for i in range(n)]
+    else:
+        out = hvd.alltoall(x, process_set=ps)
+    parts = []
+    for i in range(n):
+        start = sum(splits_of(i)[:me])
+        parts.append(tensor_of(i)[start:start + splits_of(i)[me]])
+    assert torch.equal(out, torch.cat(parts))
+
+
+def test_alltoall_async_returns_splits():
+    out, received = hvd.synchronize(hvd.alltoall_async(torch.arange(2 * SIZE)))
+    assert received.tolist() == [2] * SIZE
+    assert out.tolist() == [v for r in range(SIZE) for v in (2 * RANK, 2 * RANK + 1)]
+
+
+@pytest.mark.parametrize("set_name", list(SETS))
+@pytest.mark.parametrize("op_name", ["sum", "average"])
+@pytest.mark.parametrize("mode", ["sync", "async", "grouped"])
+@pytest.mark.parametrize("dtype", REDUCE_DTYPES, ids=str)
+def test_reducescatter(set_name, op_name, mode, dtype):
+    ps, op = SETS[set_name], OPS[op_name]
+    skip_if_not_member(ps)
+    ranks = members(ps)
+    n, me = len(ranks), ranks.index(RANK)
+    shape = (2 * n + 1, 2)  # uneven: the first member gets one row more
+    x = data(RANK, shape, dtype)
+    if mode == "sync":
+        out = hvd.reducescatter(x, op=op, process_set=ps)
+    elif mode == "async":
+        out = hvd.synchronize(hvd.reducescatter_async(x, op=op, process_set=ps))
+    else:
+        out = hvd.grouped_reducescatter([x], op=op, process_set=ps)[0]
+    rows = [shape[0] // n + (1 if j < shape[0] % n else 0) for j in range(n)]
+    start = sum(rows[:me])
+    expected = expected_reduce(ps, op, dtype, shape)[start:start + rows[me]]
+    assert out.dtype == dtype
+    np.testing.assert_allclose(as_np(out), expected, rtol=tol(dtype), atol=tol(dtype))
+
+
+def test_poll_and_handles():
+    h = hvd.allreduce_async(torch.ones(3), op=hvd.Sum, name="poll_me")
+    out = hvd.synchronize(h)
+    assert torch.equal(out, torch.full((3,), float(SIZE)))
+    with pytest.raises(ValueError):
+        hvd.poll(h)
+    with pytest.raises(ValueError):
+        hvd.synchronize(h)
+    h2 = hvd.allreduce_async(torch.ones(1))
+    assert h2 > h
+    while not hvd.poll(h2):
+        pass
+    hvd.synchronize(h2)
+
+
+def test_named_core_names_do_not_collide():
+    a = hvd.allreduce_async(torch.ones(2), name="x", op=hvd.Sum)
+    b = hvd.allgather_async(torch.ones(2), name="x")  # allreduce.x vs allgather.x
+    assert hvd.synchronize(a).tolist() == [SIZE] * 2
+    assert hvd.synchronize(b).shape == (2 * SIZE,)
+
+
+def test_join_and_barrier():
+    hvd.barrier()
+    if RANK == SIZE - 1:
+        last = hvd.join()
+    else:
+        out = hvd.allreduce(torch.ones(2), op=hvd.Sum, name="while_joined")
+        assert out.tolist() == [SIZE - 1] * 2  # the joined rank contributes zeros
+        last = hvd.join()
+    assert len(set(hvd.allgather_object(last))) == 1
+    hvd.barrier()
+
+
+def test_sparse_allreduce():
+    i = torch.tensor([[RANK], [0]])
+    v = torch.tensor([float(RANK + 1)])
+    sp = torch.sparse_coo_tensor(i, v, (SIZE, 2))
+    out = hvd.sparse_allreduce_async(sp, name="sparse", op=hvd.Sum)().to_dense()
+    assert out[:, 0].tolist() == [float(r + 1) for r in range(SIZE)]
+
+
+def test_noncontiguous():
+    x = torch.arange(12.0).reshape(3, 4).t()
+    with pytest.raises(ValueError, match="Tensor is required to be contiguous."):
+        hvd.allreduce_(x)
+    with pytest.raises(ValueError, match="Tensor is required to be contiguous."):
+        hvd.broadcast_async_(x, 0)
+    out = hvd.allreduce(x, op=hvd.Sum)  # out-of-place: accepted (copied), unlike upstream
+    assert torch.equal(out, x * SIZE)
+
+
+def test_unsupported_types():
+    with pytest.raises(ValueError, match=r"Tensor type torch.BoolTensor is not supported."):
+        hvd.allreduce(torch.ones(2, dtype=torch.bool))
+    with pytest.raises(ValueError, match="is not supported"):
+        hvd.allreduce(torch.ones(2, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="is not supported"):
+        hvd.allgather(torch.ones(2, dtype=torch.complex64))
+
+
+def test_argument_errors():
+    with pytest.raises(ValueError, match="The op parameter supersedes average"):
+        hvd.allreduce(torch.ones(1), average=True, op=hvd.Sum)
+    with pytest.raises(ValueError, match="Number of entries in splits does not equal number of workers."):
+        hvd.alltoall(torch.ones(4), splits=[1] * (SIZE + 1))
+    with pytest.raises(ValueError, match="Sum of splits entries is greater than the first dimension"):
+        hvd.alltoall(torch.ones(1), splits=[2] * SIZE)
+    with pytest.raises(ValueError, match="invalid root rank"):
+        hvd.broadcast(torch.ones(1), SIZE + 3)
+    if EVEN is not None and RANK not in EVEN.ranks:
+        with pytest.raises(ValueError, match=f"Allreduce: Rank {RANK} is not a member of the provided process set."):
+            hvd.allreduce(torch.ones(1), process_set=EVEN)
+
+
+def test_mismatched_shapes_fail_on_every_rank():
+    if SIZE == 1:
+        pytest.skip("needs two ranks")
+    with pytest.raises(HorovodInternalError, match="Mismatched"):
+        hvd.allreduce(torch.ones(RANK + 1), name="mismatch")
+    assert hvd.allreduce(torch.ones(1), op=hvd.Sum).item() == SIZE  # the job goes on

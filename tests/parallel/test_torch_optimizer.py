@@ -1,0 +1,332 @@
+"""DistributedOptimizer, broadcast helpers and SyncBatchNorm, on every rank in lockstep (any size).
+
+Equivalence: each rank trains on its 1/size share of a batch; the single-process reference, computed on
+every rank inside the test, trains on the whole batch.  The weights must agree.
+"""
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import horovod.torch as hvd
+
+hvd.init()
+RANK, SIZE = hvd.rank(), hvd.size()
+ROWS = 4  # per rank (and per micro-batch)
+
+
+def make_model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+
+
+def batch(steps: int, rows: int):
+    gen = torch.Generator().manual_seed(42)
+    return [(torch.randn(rows, 6, generator=gen), torch.randn(rows, 3, generator=gen)) for _ in range(steps)]
+
+
+def my_rows(t: torch.Tensor, passes: int, k: int) -> torch.Tensor:
+    """Micro-batch ``k`` of this rank's share of the global batch."""
+    share = t.shape[0] // SIZE
+    mine = t[RANK * share:(RANK + 1) * share]
+    m = share // passes
+    return mine[k * m:(k + 1) * m]
+
+
+def train(steps=3, passes=1, lr=0.1, momentum=0.9, loss_scale=1.0, **opt_kwargs):
+    data = batch(steps, ROWS * SIZE * passes)
+    ref = make_model()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=lr, momentum=momentum)
+    for x, y in data:  # single process, whole batch
+        ref_opt.zero_grad()
+        (F.mse_loss(ref(x), y) * loss_scale).backward()
+        ref_opt.step()
+    model = make_model(seed=RANK)  # different start: broadcast_parameters must fix it
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
+    opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(), backward_passes_per_step=passes,
+                                   **opt_kwargs)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    for x, y in data:
+        opt.zero_grad()
+        for k in range(passes):
+            (F.mse_loss(model(my_rows(x, passes, k)), my_rows(y, passes, k)) * loss_scale / passes).backward()
+        opt.step()
+    return ref, model
+
+
+def assert_same(ref, model, atol=1e-6):
+    for (name, a), b in zip(ref.named_parameters(), model.parameters()):
+        assert torch.allclose(a, b, atol=atol), f"{name}: max diff {(a - b).abs().max().item()}"
+    gathered = hvd.allgather_object([p.detach().clone() for p in model.parameters()])
+    for other in gathered:  # bit-identical on every rank
+        assert all(torch.equal(a, b) for a, b in zip(other, model.parameters()))
+
+
+def test_equivalence_sgd_momentum():
+    assert_same(*train())
+
+
+def test_equivalence_backward_passes_per_step():
+    assert_same(*train(passes=2))
+
+
+@pytest.mark.parametrize("groups", [1, 2, "explicit"])
+def test_equivalence_groups(groups):
+    if groups == "explicit":
+        ref, model = _train_with_explicit_groups()
+    else:
+        ref, model = train(groups=groups)
+    assert_same(ref, model)
+
+
+def _train_with_explicit_groups():
+    data = batch(2, ROWS * SIZE)
+    ref = make_model()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for x, y in data:
+        ref_opt.zero_grad()
+        F.mse_loss(ref(x), y).backward()
+        ref_opt.step()
+    model = make_model()
+    params = list(model.parameters())
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(params, lr=0.1), groups=[[params[0], params[3]], [params[1]]])
+    for x, y in data:
+        opt.zero_grad()
+        F.mse_loss(model(my_rows(x, 1, 0)), my_rows(y, 1, 0)).backward()
+        opt.step()
+    return ref, model
+
+
+def test_num_groups_is_deprecated_alias():
+    with pytest.warns(DeprecationWarning):
+        assert_same(*train(steps=1, num_groups=2))
+
+
+def test_equivalence_fp16_compression():
+    assert_same(*train(compression=hvd.Compression.fp16), atol=2e-3)
+
+
+def test_equivalence_bf16_compression():
+    assert_same(*train(compression=hvd.Compression.bf16), atol=3e-2)
+
+
+def test_equivalence_predivide_and_sum():
+    assert_same(*train(gradient_predivide_factor=2.0), atol=1e-5)
+    assert_same(*train(op=hvd.Sum, loss_scale=SIZE, momentum=0.0), atol=1e-5)
+
+
+def test_unused_parameter_gets_zero_gradient():
+    model = make_model()
+    extra = nn.Parameter(torch.ones(2))
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(list(model.parameters()) + [extra], lr=0.1))
+    model(torch.ones(1, 6)).sum().backward()
+    opt.step()
+    assert extra.grad is not None and torch.equal(extra.grad, torch.zeros(2))
+
+
+def test_torch_compile():
+    data = batch(2, ROWS * SIZE)
+    ref = make_model()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    for x, y in data:
+        ref_opt.zero_grad()
+        F.mse_loss(ref(x), y).backward()
+        ref_opt.step()
+    model = make_model()
+    compiled = torch.compile(model, backend="aot_eager")  # inductor would spend the budget compiling C++
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                   named_parameters=model.named_parameters())
+    for x, y in data:
+        opt.zero_grad()
+        F.mse_loss(compiled(my_rows(x, 1, 0)), my_rows(y, 1, 0)).backward()
+        opt.step()
+    assert_same(ref, model, atol=1e-5)
+
+
+def test_autocast_bf16_with_grad_scaler():
+    data = batch(3, ROWS * SIZE)
+    model = make_model()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+    ref = make_model()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for step, (x, y) in enumerate(data):
+        for m, o, xs, ys in ((ref, ref_opt, x, y), (model, opt, my_rows(x, 1, 0), my_rows(y, 1, 0))):
+            o.zero_grad()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = F.mse_loss(m(xs).float(), ys)
+            if m is model and step == 1 and RANK == 0:
+                loss = loss * float("inf")  # overflow on one rank: every rank must skip this step
+            if m is model:
+                before = [p.detach().clone() for p in model.parameters()]
+                scaler.scale(loss).backward()
+                scaler.step(opt)  # no synchronize()/skip_synchronize() needed
+                scaler.update()
+                if step == 1:
+                    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+            elif step != 1:
+                loss.backward()
+                o.step()
+    scales = hvd.allgather_object(scaler.get_scale())
+    assert len(set(scales)) == 1 and scales[0] < 2.0 ** 8
+    assert_same(ref, model, atol=3e-2)
+
+
+def test_clip_without_synchronize_and_upstream_pattern():
+    model = make_model()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    x = torch.full((2, 6), float(RANK))
+    model(x).sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()]  # already averaged when backward() returns
+    gathered = hvd.allgather_object(grads)
+    assert all(torch.equal(a, b) for g in gathered for a, b in zip(g, grads))
+    opt.synchronize()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    with opt.skip_synchronize():
+        opt.step()
+    opt.zero_grad()
+    model(x).sum().backward()
+    opt.synchronize()
+    with pytest.warns(UserWarning, match=r"optimizer.step\(\) called without optimizer.skip_synchronize\(\)"):
+        opt.step()
+
+
+def test_optimizer_looks_like_wrapped_one():
+    model = make_model()
+    inner = torch.optim.Adam(model.parameters(), lr=1e-3)
+    opt = hvd.DistributedOptimizer(inner)
+    assert isinstance(opt, torch.optim.Adam) and isinstance(opt, torch.optim.Optimizer)
+    assert opt.__class__.__name__ == "Adam"
+    assert opt.param_groups is inner.param_groups
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    model(torch.ones(1, 6)).sum().backward()
+    opt.step()
+    sched.step()
+    assert opt.param_groups[0]["lr"] == pytest.approx(5e-4)
+    assert "state" in opt.state_dict()
+
+
+def test_error_paths():
+    model = make_model()
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="backward_passes_per_step must be > 0"):
+        hvd.DistributedOptimizer(sgd, backward_passes_per_step=0)
+    with pytest.raises(ValueError, match="gradient_predivide_factor not supported with op != Average"):
+        hvd.DistributedOptimizer(sgd, op=hvd.Sum, gradient_predivide_factor=2.0)
+    with pytest.raises(ValueError, match="named_parameters should be a sequence of tuples"):
+        hvd.DistributedOptimizer(sgd, named_parameters=list(model.parameters()))
+    with pytest.raises(ValueError, match="Parameter names in named_parameters must be unique. Found duplicates: a"):
+        hvd.DistributedOptimizer(sgd, named_parameters=[("a", p) for p in model.parameters()])
+    with pytest.raises(ValueError, match="one or more model parameters were not named"):
+        hvd.DistributedOptimizer(sgd, named_parameters=list(model.named_parameters())[:1])
+    with pytest.raises(ValueError, match="groups must consist of torch.Tensor."):
+        hvd.DistributedOptimizer(sgd, groups=[[1]])
+    p = next(model.parameters())
+    with pytest.raises(ValueError, match="A parameter can only appear once in groups."):
+        hvd.DistributedOptimizer(sgd, groups=[[p], [p]])
+    with pytest.raises(NotImplementedError):
+        hvd.DistributedOptimizer(sgd, op=hvd.Adasum)
+
+
+def test_too_many_backward_passes_and_zero_grad_guard():
+    if SIZE == 1:
+        pytest.skip("hooks are registered only with more than one rank")
+    model = make_model()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    model(torch.ones(1, 6)).sum().backward()
+    with pytest.raises(AssertionError, match="zero_grad\\(\\) was called after loss.backward\\(\\)"):
+        opt.zero_grad()
+    with pytest.raises(AssertionError, match="Gradients were computed more than backward_passes_per_step"):
+        model(torch.ones(1, 6)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def test_broadcast_parameters_and_objects():
+    model = make_model(seed=RANK)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=SIZE - 1)
+    ref = make_model(seed=SIZE - 1)
+    assert all(torch.equal(a, b) for a, b in zip(ref.parameters(), model.parameters()))
+    params = [torch.full((2,), float(RANK))]
+    hvd.broadcast_parameters([("p", params[0])], root_rank=0)
+    assert params[0].tolist() == [0.0, 0.0]
+    with pytest.raises(ValueError, match="invalid params of type"):
+        hvd.broadcast_parameters(model.parameters(), 0)
+    assert hvd.broadcast_object({"r": RANK}, root_rank=0) == {"r": 0}
+    assert hvd.allgather_object(RANK) == list(range(SIZE))
+
+
+def test_broadcast_optimizer_state_leaves_root_untouched():
+    model = make_model()
+    adam = torch.optim.Adam(model.parameters(), lr=0.01 if RANK == 0 else 0.5)
+    if RANK == 0:  # only the root has state (a resumed checkpoint); the others are fresh
+        for _ in range(2):
+            adam.zero_grad()
+            model(torch.ones(2, 6)).pow(2).sum().backward()
+            adam.step()
+    before = copy.deepcopy(adam.state_dict())
+    hvd.broadcast_optimizer_state(adam, root_rank=0)
+    after = adam.state_dict()
+    root = hvd.broadcast_object(before, root_rank=0)
+    assert after["param_groups"][0]["lr"] == 0.01
+    for pid, state in root["state"].items():
+        for key, value in state.items():
+            assert torch.equal(after["state"][pid][key], value), (pid, key)
+    if RANK == 0:  # bit-identical, nothing stepped
+        for pid, state in before["state"].items():
+            assert all(torch.equal(after["state"][pid][k], v) for k, v in state.items())
+    with pytest.raises(ValueError, match="cannot broadcast torch.optim.LBFGS state"):
+        hvd.broadcast_optimizer_state(torch.optim.LBFGS(model.parameters()), 0)
+
+
+@pytest.mark.parametrize("dims", [2, 4])
+def test_sync_batch_norm_equals_global_batch_norm(dims):
+    shape = (2 * SIZE, 3) if dims == 2 else (2 * SIZE, 3, 4, 2)
+    gen = torch.Generator().manual_seed(3)
+    x_full = torch.randn(shape, generator=gen, dtype=torch.float64) * 2 + 1
+    w_full = torch.randn(shape, generator=gen, dtype=torch.float64)
+    bn = nn.BatchNorm1d(3) if dims == 2 else nn.BatchNorm2d(3)
+    sbn = hvd.SyncBatchNorm(3)
+    bn, sbn = bn.double(), sbn.double()
+    with torch.no_grad():
+        bn.weight.uniform_(0.5, 1.5, generator=gen)
+        bn.bias.uniform_(-1, 1, generator=gen)
+        sbn.weight.copy_(bn.weight)
+        sbn.bias.copy_(bn.bias)
+    xr = x_full.clone().requires_grad_()
+    (bn(xr) * w_full).sum().backward()
+    mine = slice(2 * RANK, 2 * RANK + 2)
+    x = x_full[mine].clone().requires_grad_()
+    out = sbn(x)
+    (out * w_full[mine]).sum().backward()
+    with torch.no_grad():
+        bn_out = nn.functional.batch_norm(x_full, None, None, bn.weight, bn.bias, True, 0.0, bn.eps)
+    assert torch.allclose(out, bn_out[mine], atol=1e-10)
+    assert torch.allclose(x.grad, xr.grad[mine], atol=1e-10)
+    wgrad = hvd.allreduce(sbn.weight.grad, op=hvd.Sum)
+    assert torch.allclose(wgrad, bn.weight.grad, atol=1e-10)
+    assert torch.allclose(sbn.running_mean, bn.running_mean, atol=1e-12)
+    assert torch.allclose(sbn.running_var, bn.running_var, atol=1e-12)
+    sbn.eval()
+    assert torch.allclose(sbn(x), bn.eval()(x_full)[mine])
+
+
+def test_sync_batch_norm_uneven_batches_and_errors():
+    sbn = hvd.SyncBatchNorm(2)
+    x = torch.randn(RANK + 1, 2, generator=torch.Generator().manual_seed(RANK), dtype=torch.float64)
+    out = sbn.double()(x)
+    full = torch.cat([torch.randn(r + 1, 2, generator=torch.Generator().manual_seed(r), dtype=torch.float64)
+                      for r in range(SIZE)])
+    expected = (full - full.mean(0)) / torch.sqrt(full.var(0, unbiased=False) + sbn.eps)
+    start = sum(range(1, RANK + 1))
+    assert torch.allclose(out, expected[start:start + RANK + 1], atol=1e-10)
+    with pytest.raises(ValueError, match="expected at least 2D input"):
+        sbn(torch.ones(3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        hvd.barrier()

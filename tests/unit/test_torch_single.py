@@ -1,0 +1,157 @@
+"""horovod.torch in one process: the device seam (mocked GPU), compression, pickling, np=1 identities."""
+
+import pickle
+
+import pytest
+
+torch = pytest.importorskip("torch")
+import torch.nn as nn  # noqa: E402
+
+import horovod.torch as hvd  # noqa: E402
+from horovod.torch import device  # noqa: E402
+
+
+@pytest.fixture(scope="module", autouse=True)
+def horovod_alone():
+    hvd.init()
+    assert hvd.size() == 1
+    yield
+    hvd.shutdown()
+
+
+class FakeStaging(device.HostStaging):
+    """Records the seam's calls; 'device' tensors are CPU tensors marked by the test."""
+
+    def __init__(self):
+        self.calls = []
+
+    def to_host(self, tensor):
+        self.calls.append("to_host")
+        return tensor.detach().clone()
+
+    def to_device(self, host, like):
+        self.calls.append("to_device")
+        return host.clone()
+
+    def copy_back(self, host, target):
+        self.calls.append("copy_back")
+        with torch.no_grad():
+            target.copy_(host)
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    marked = set()
+    staging = FakeStaging()
+    monkeypatch.setattr(device, "staging", staging)
+    monkeypatch.setattr(device, "on_host", lambda t: id(t) not in marked)
+    return marked, staging
+
+
+def test_device_tensors_are_staged_through_host(fake_gpu):
+    marked, staging = fake_gpu
+    x = torch.arange(4.0)
+    marked.add(id(x))
+    out = hvd.allreduce(x, op=hvd.Sum)
+    assert torch.equal(out, x) and out is not x
+    assert staging.calls == ["to_host", "to_device"]
+    staging.calls.clear()
+    y = torch.arange(3.0)
+    marked.add(id(y))
+    assert hvd.allreduce_(y) is y
+    assert staging.calls == ["to_host", "copy_back"]
+
+
+def test_device_backend_takes_over(fake_gpu):
+    marked, staging = fake_gpu
+
+    class Backend:
+        def __init__(self):
+            self.seen = []
+
+        def supports(self, kind, tensors, process_set):
+            return kind == "allreduce"
+
+        def submit(self, kind, tensors, outputs, **kwargs):
+            self.seen.append((kind, kwargs["op"]))
+
+            class Done:
+                def done(self):
+                    return True
+
+                def wait(self):
+                    return [t * 10 for t in tensors]
+
+            return Done()
+
+    backend = Backend()
+    previous = device.set_device_backend(backend)
+    try:
+        x = torch.ones(2)
+        marked.add(id(x))
+        assert torch.equal(hvd.allreduce(x, op=hvd.Sum), torch.full((2,), 10.0))
+        assert backend.seen == [("allreduce", hvd.Sum)] and staging.calls == []
+        assert torch.equal(hvd.broadcast(x, 0), x)  # unsupported kind: staged
+        assert staging.calls == ["to_host", "to_device"]
+        cpu = torch.ones(2)
+        assert torch.equal(hvd.allreduce(cpu, op=hvd.Sum), cpu)  # host tensors never go to the backend
+        assert len(backend.seen) == 1
+    finally:
+        device.set_device_backend(previous)
+
+
+def test_compression_roundtrip():
+    x = torch.randn(5, dtype=torch.float64)
+    for comp, wire in ((hvd.Compression.fp16, torch.float16), (hvd.Compression.bf16, torch.bfloat16)):
+        c, ctx = comp.compress(x)
+        assert c.dtype == wire
+        assert comp.decompress(c, ctx).dtype == torch.float64
+    i = torch.arange(3)
+    assert hvd.Compression.fp16.compress(i)[0] is i
+    assert hvd.Compression.none.compress(x)[0] is x
+
+
+def test_zero_copy_cpu_in_place():
+    x = torch.arange(4.0)
+    ptr = x.data_ptr()
+    hvd.allreduce_(x)
+    assert x.data_ptr() == ptr and torch.equal(x, torch.arange(4.0))
+    b = torch.ones(3, dtype=torch.bfloat16)
+    assert hvd.allreduce(b, op=hvd.Sum).dtype == torch.bfloat16
+
+
+def test_optimizer_pickles_as_wrapped_optimizer():
+    model = nn.Linear(2, 2)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    again = pickle.loads(pickle.dumps(opt))
+    assert type(again) is torch.optim.SGD and again.param_groups[0]["lr"] == 0.1
+    assert "DistributedOptimizer(SGD" in repr(opt)
+
+
+def _run(use_hvd: bool) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    if use_hvd:
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        hvd.broadcast_optimizer_state(opt, root_rank=0)
+        opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters(),
+                                       compression=hvd.Compression.none)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(5):
+        opt.zero_grad()
+        model(torch.randn(8, 4, generator=gen)).pow(2).mean().backward()
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()] + [
+        t for s in opt.state_dict()["state"].values() for t in s.values()]
+
+
+def test_np1_bit_identical_with_and_without_horovod():
+    plain, distributed = _run(False), _run(True)
+    assert all(torch.equal(a, b) for a, b in zip(plain, distributed))
+
+
+def test_elastic_is_importable():
+    assert hvd.elastic is not None
+    with pytest.raises(NotImplementedError):
+        hvd.elastic.run(lambda state: None)

@@ -143,6 +143,8 @@ def __getattr__(name: str):
         from horovod.tensorflow.keras import DistributedModel
 
         return DistributedModel
-    if name == "elastic":
-        raise AttributeError("horovod.tensorflow.elastic is not available yet")
+    if name == "elastic":  # lazy, as upstream's hvd.elastic (horovod/tensorflow/elastic.py)
+        import importlib
+
+        return importlib.import_module("horovod.tensorflow.elastic")
     raise AttributeError(f"module 'horovod.tensorflow' has no attribute {name!r}")

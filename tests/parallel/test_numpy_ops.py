@@ -1,0 +1,376 @@
+"""horovod.numpy collectives on every rank in lockstep:
+
+    horovodrun -np 3 python -m pytest -x -q tests/parallel/test_numpy_ops.py
+
+Every rank builds every rank's input from a seed, so expected results are computed locally with numpy.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from parallel_util import (
+    ALL_DTYPES,
+    BF16,
+    allreduce_expected,
+    assert_same,
+    data,
+    launcher_rank_size,
+    reducescatter_rows,
+)
+
+import horovod.numpy as hvd
+
+OPS = [hvd.Average, hvd.Sum, hvd.Min, hvd.Max, hvd.Product]
+REDUCE_DTYPES = [d for d in ALL_DTYPES if d != np.bool_]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def horovod():
+    hvd.init()
+    yield
+    hvd.barrier()
+
+
+def rs():
+    return hvd.rank(), hvd.size()
+
+
+def test_layout_matches_launcher():
+    rank, size = launcher_rank_size()
+    assert (hvd.rank(), hvd.size()) == (rank, size)
+    assert hvd.local_size() == size and hvd.local_rank() == rank  # one host
+    assert (hvd.cross_rank(), hvd.cross_size()) == (0, 1)
+    assert hvd.is_initialized() and hvd.gloo_enabled()
+    assert hvd.global_process_set.ranks == list(range(size))
+
+
+# ------------------------------------------------------------------------------------------------ allreduce
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("dtype", REDUCE_DTYPES, ids=str)
+def test_allreduce_ops_dtypes(op, dtype):
+    rank, size = rs()
+    key = ("allreduce", op, dtype)
+    low, high = (-3, 3) if op == hvd.Product else (-8, 8)
+    xs = [data(key, r, (17, 3), dtype, low=low, high=high) for r in range(size)]
+    out = hvd.allreduce(xs[rank], op=op, name=f"ar.{op}.{dtype}")
+    assert_same(out, allreduce_expected(xs, op))
+
+
+@pytest.mark.parametrize("op", [hvd.Sum, hvd.Min, hvd.Max, hvd.Product])
+def test_allreduce_bool(op):
+    rank, size = rs()
+    xs = [data(("bool", op), r, (33,), np.bool_) for r in range(size)]
+    out = hvd.allreduce(xs[rank], op=op)
+    expected = {hvd.Sum: np.logical_or, hvd.Max: np.logical_or, hvd.Min: np.logical_and,
+                hvd.Product: np.logical_and}[op].reduce(xs)
+    assert_same(out, expected)
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.int64, np.int8, np.uint8, np.float16, np.float32, np.float64],
+                         ids=str)
+@pytest.mark.parametrize("op", [hvd.Average, hvd.Sum])
+def test_allreduce_prescale_postscale(dtype, op):
+    rank, size = rs()
+    xs = [data(("scale", dtype, op), r, (64,), dtype, low=-20, high=20) for r in range(size)]
+    out = hvd.allreduce(xs[rank], op=op, prescale_factor=0.5, postscale_factor=1.5)
+    assert_same(out, allreduce_expected(xs, op, 0.5, 1.5))
+
+
+def test_integer_average_truncates_toward_zero():
+    rank, size = rs()
+    # choose inputs whose sum is not divisible by size and is negative for half the elements
+    base = np.array([-7, 7, -5, 5, -1, 1, -2, 2, 0], np.int32)
+    xs = [base + (1 if r == 0 else 0) for r in range(size)]
+    out = hvd.allreduce(xs[rank], op=hvd.Average)
+    total = sum(x.astype(np.int64) for x in xs)
+    expected = np.trunc(total / size).astype(np.int32)
+    assert_same(out, expected)
+    assert (expected != np.floor_divide(total, size)).any() or size == 1
+
+
+def test_fp16_average_scaled_in_fp32():
+    rank, size = rs()
+    xs = [data("fp16avg", r, (1000,), np.float16, low=-100, high=100) for r in range(size)]
+    out = hvd.allreduce(xs[rank], op=hvd.Average)
+    total = sum(x.astype(np.float32) for x in xs).astype(np.float16)
+    assert_same(out, (total.astype(np.float32) * np.float32(1 / size)).astype(np.float16))
+
+
+@pytest.mark.parametrize("nbytes", [40, 200_000])
+def test_allreduce_in_place(nbytes):
+    rank, size = rs()
+    n = nbytes // 8
+    xs = [data(("inplace", nbytes), r, (n,), np.float64) for r in range(size)]
+    mine = xs[rank].copy()
+    out = hvd.allreduce_(mine, op=hvd.Sum)
+    assert out is mine
+    assert_same(mine, allreduce_expected(xs, hvd.Sum))
+    mine = xs[rank].copy()
+    h = hvd.allreduce_async_(mine, op=hvd.Average, name=f"inplace.async.{nbytes}")
+    assert hvd.synchronize(h) is mine
+    assert_same(mine, allreduce_expected(xs, hvd.Average))
+
+
+def test_allreduce_scalar_and_empty():
+    rank, size = rs()
+    out = hvd.allreduce(np.float64(rank), op=hvd.Sum)
+    assert out.shape == () and float(out) == sum(range(size))
+    empty = hvd.allreduce(np.zeros((0, 4), np.float32), op=hvd.Sum)
+    assert empty.shape == (0, 4)
+
+
+def test_grouped_allreduce():
+    rank, size = rs()
+    shapes = [(3,), (4, 5), (), (1000,), (2, 2, 2)]
+    xss = [[data(("grouped", i), r, s, np.float32) for i, s in enumerate(shapes)] for r in range(size)]
+    outs = hvd.grouped_allreduce(xss[rank], op=hvd.Sum, name="grouped")
+    assert len(outs) == len(shapes)
+    for i, out in enumerate(outs):
+        assert_same(out, allreduce_expected([xss[r][i] for r in range(size)], hvd.Sum))
+    outs = hvd.grouped_allreduce(xss[rank], op=hvd.Average)  # unnamed
+    for i, out in enumerate(outs):
+        assert_same(out, allreduce_expected([xss[r][i] for r in range(size)], hvd.Average))
+
+
+# ------------------------------------------------------------------------------------------------ allgather
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+def test_allgather_uneven_first_dimension(dtype):
+    rank, size = rs()
+    xs = [data(("allgather", dtype), r, (r * 2 + 1, 3), dtype) for r in range(size)]
+    out = hvd.allgather(xs[rank], name=f"ag.{dtype}")
+    assert_same(out, np.concatenate(xs))
+
+
+def test_allgather_with_zero_rows_on_some_ranks():
+    rank, size = rs()
+    xs = [data("ag0", r, (r % 2, 4), np.int64) for r in range(size)]
+    assert_same(hvd.allgather(xs[rank]), np.concatenate(xs))
+
+
+def test_allgather_one_dimensional_and_large():
+    rank, size = rs()
+    xs = [data("ag1d", r, (100_003 + r,), np.float32) for r in range(size)]
+    assert_same(hvd.allgather(xs[rank]), np.concatenate(xs))
+
+
+def test_grouped_allgather():
+    rank, size = rs()
+    xss = [[data(("gag", i), r, (r + i, 2), np.int32) for i in range(3)] for r in range(size)]
+    outs = hvd.grouped_allgather(xss[rank])
+    for i, out in enumerate(outs):
+        assert_same(out, np.concatenate([xss[r][i] for r in range(size)]))
+
+
+# ------------------------------------------------------------------------------------------------ broadcast
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+def test_broadcast_from_every_root(dtype):
+    rank, size = rs()
+    for root in range(size):
+        xs = [data(("bcast", dtype, root), r, (5, 7), dtype) for r in range(size)]
+        out = hvd.broadcast(xs[rank], root, name=f"bc.{dtype}.{root}")
+        assert_same(out, xs[root])
+        if rank != root:
+            assert_same(xs[rank], data(("bcast", dtype, root), rank, (5, 7), dtype))  # input untouched
+
+
+def test_broadcast_in_place():
+    rank, size = rs()
+    for root in range(size):
+        mine = data(("bcast_", root), rank, (300_001,), np.float64)
+        out = hvd.broadcast_(mine, root)
+        assert out is mine
+        assert_same(mine, data(("bcast_", root), root, (300_001,), np.float64))
+
+
+# ------------------------------------------------------------------------------------------------ alltoall
+def test_alltoall_equal_splits():
+    rank, size = rs()
+    xs = [data("a2a", r, (size * 3, 2), np.float32) for r in range(size)]
+    out = hvd.alltoall(xs[rank])
+    expected = np.concatenate([xs[j][rank * 3:(rank + 1) * 3] for j in range(size)])
+    assert_same(out, expected)
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.float64, np.bool_, np.uint8], ids=str)
+def test_alltoall_with_splits(dtype):
+    rank, size = rs()
+    splits = [[(r + j) % 3 for j in range(size)] for r in range(size)]
+    extra = 2  # rows past sum(splits) are not sent
+    xs = [data(("a2as", dtype), r, (sum(splits[r]) + extra, 4), dtype) for r in range(size)]
+    out, received = hvd.alltoall(xs[rank], splits=np.array(splits[rank], np.int32))
+    blocks = []
+    for j in range(size):
+        start = sum(splits[j][:rank])
+        blocks.append(xs[j][start:start + splits[j][rank]])
+    assert_same(out, np.concatenate(blocks))
+    np.testing.assert_array_equal(received, [splits[j][rank] for j in range(size)])
+
+
+def test_alltoall_async_with_list_splits():
+    rank, size = rs()
+    splits = [1] * size
+    h = hvd.alltoall_async(np.full((size, 1), rank, np.int64), splits=splits)
+    out, received = hvd.synchronize(h)
+    np.testing.assert_array_equal(out.ravel(), np.arange(size))
+    np.testing.assert_array_equal(received, splits)
+
+
+# ------------------------------------------------------------------------------------------------ reducescatter
+@pytest.mark.parametrize("op", [hvd.Average, hvd.Sum])
+@pytest.mark.parametrize("dtype", [np.int32, np.int64, np.float16, np.float32, np.float64], ids=str)
+def test_reducescatter_uneven(op, dtype):
+    rank, size = rs()
+    dim0 = 2 * size + 1 if size > 1 else 3
+    xs = [data(("rs", op, dtype), r, (dim0, 3), dtype) for r in range(size)]
+    out = hvd.reducescatter(xs[rank], op=op)
+    rows = reducescatter_rows(dim0, size)
+    assert rows[0] >= rows[-1]
+    start = sum(rows[:rank])
+    full = allreduce_expected(xs, op)
+    assert_same(out, full[start:start + rows[rank]])
+
+
+def test_reducescatter_fewer_rows_than_ranks_and_scaling():
+    rank, size = rs()
+    dim0 = max(1, size - 1)
+    xs = [data("rs_small", r, (dim0, 2), np.float64) for r in range(size)]
+    out = hvd.reducescatter(xs[rank], op=hvd.Sum, prescale_factor=0.5, postscale_factor=4.0)
+    rows = reducescatter_rows(dim0, size)
+    start = sum(rows[:rank])
+    assert_same(out, allreduce_expected(xs, hvd.Sum, 0.5, 4.0)[start:start + rows[rank]])
+
+
+def test_grouped_reducescatter():
+    rank, size = rs()
+    dims = [size, 2 * size + 1, size + 2]
+    xss = [[data(("grs", i), r, (d, 2), np.float32) for i, d in enumerate(dims)] for r in range(size)]
+    outs = hvd.grouped_reducescatter(xss[rank], op=hvd.Sum)
+    for i, d in enumerate(dims):
+        rows = reducescatter_rows(d, size)
+        start = sum(rows[:rank])
+        full = allreduce_expected([xss[r][i] for r in range(size)], hvd.Sum)
+        assert_same(outs[i], full[start:start + rows[rank]])
+
+
+# ------------------------------------------------------------------------------------------------ misc
+def test_barrier():
+    for _ in range(5):
+        assert hvd.barrier() is None
+
+
+def test_broadcast_object_and_allgather_object():
+    rank, size = rs()
+    for root in range(size):
+        obj = {"root": root, "payload": list(range(root * 100))} if rank == root else None
+        got = hvd.broadcast_object(obj, root, name=f"obj.{root}")
+        assert got == {"root": root, "payload": list(range(root * 100))}
+    gathered = hvd.allgather_object({"rank": rank, "blob": "x" * (rank * 1000)})
+    assert gathered == [{"rank": r, "blob": "x" * (r * 1000)} for r in range(size)]
+
+
+def test_many_async_ops_then_synchronize():
+    rank, size = rs()
+    specs = [(i, (i % 7 + 1, 3), [np.float32, np.float64, np.int32][i % 3]) for i in range(120)]
+    handles = []
+    for i, shape, dtype in specs:
+        handles.append(hvd.allreduce_async(data(("fuse", i), rank, shape, dtype), name=f"fuse.{i}", op=hvd.Sum))
+    gathers = [hvd.allgather_async(data(("fuseg", i), rank, (rank + 1,), np.int16)) for i in range(10)]
+    for (i, shape, dtype), h in zip(specs, handles):
+        xs = [data(("fuse", i), r, shape, dtype) for r in range(size)]
+        assert_same(hvd.synchronize(h), allreduce_expected(xs, hvd.Sum))
+    for i, h in enumerate(gathers):
+        assert_same(hvd.synchronize(h), np.concatenate([data(("fuseg", i), r, (r + 1,), np.int16)
+                                                        for r in range(size)]))
+
+
+def test_repeated_named_ops_hit_the_cache():
+    rank, size = rs()
+    for step in range(30):
+        xs = [data(("cache", step), r, (16,), np.float32) for r in range(size)]
+        assert_same(hvd.allreduce(xs[rank], name="cache.grad", op=hvd.Sum), allreduce_expected(xs, hvd.Sum))
+        ys = [data(("cacheb", step), r, (3, 3), np.int32) for r in range(size)]
+        assert_same(hvd.broadcast(ys[rank], step % size, name="cache.bcast"), ys[step % size])
+
+
+def test_repeated_name_with_changing_shape():
+    rank, size = rs()
+    for step in range(10):
+        shape = (step % 3 + 1, 2)
+        xs = [data(("cshape", step), r, shape, np.float64) for r in range(size)]
+        assert_same(hvd.allreduce(xs[rank], name="changing", op=hvd.Sum), allreduce_expected(xs, hvd.Sum))
+
+
+def test_big_odd_sized_tensors():
+    rank, size = rs()
+    n = 786_431  # ~3 MiB of float32, odd
+    xs = [data("big", r, (n,), np.float32, low=-100, high=100) for r in range(size)]
+    assert_same(hvd.allreduce(xs[rank], op=hvd.Sum), allreduce_expected(xs, hvd.Sum))
+    assert_same(hvd.allreduce(xs[rank], op=hvd.Average), allreduce_expected(xs, hvd.Average))
+    assert_same(hvd.allreduce(xs[rank], op=hvd.Max), allreduce_expected(xs, hvd.Max))
+    ints = [data("bigint", r, (n + 2,), np.int64) for r in range(size)]
+    assert_same(hvd.allreduce(ints[rank], op=hvd.Average), allreduce_expected(ints, hvd.Average))
+    rows = [(n // 3) + r for r in range(size)]
+    gs = [data("biggather", r, (rows[r], 3), np.int16) for r in range(size)]
+    assert_same(hvd.allgather(gs[rank]), np.concatenate(gs))
+    dim0 = 300_007
+    rsx = [data("bigrs", r, (dim0, 2), np.float64) for r in range(size)]
+    rrows = reducescatter_rows(dim0, size)
+    start = sum(rrows[:rank])
+    assert_same(hvd.reducescatter(rsx[rank], op=hvd.Sum), allreduce_expected(rsx, hvd.Sum)[start:start + rrows[rank]])
+    a2a = [data("biga2a", r, (size * 50_001, 2), np.float32) for r in range(size)]
+    expected = np.concatenate([a2a[j][rank * 50_001:(rank + 1) * 50_001] for j in range(size)])
+    assert_same(hvd.alltoall(a2a[rank]), expected)
+
+
+def test_big_fused_group():
+    rank, size = rs()
+    shapes = [(100_001,), (3,), (250_000,), (7, 7)]
+    xss = [[data(("bigfuse", i), r, s, np.float32) for i, s in enumerate(shapes)] for r in range(size)]
+    outs = hvd.grouped_allreduce(xss[rank], op=hvd.Average)
+    for i, out in enumerate(outs):
+        assert_same(out, allreduce_expected([xss[r][i] for r in range(size)], hvd.Average))
+
+
+@pytest.mark.skipif(BF16 is None, reason="ml_dtypes not installed")
+def test_bfloat16_average():
+    rank, size = rs()
+    xs = [data("bf16", r, (40,), BF16) for r in range(size)]
+    out = hvd.allreduce(xs[rank], op=hvd.Average)
+    total = sum(x.astype(np.float32) for x in xs).astype(BF16)
+    assert_same(out, (total.astype(np.float32) * np.float32(1 / size)).astype(BF16))
+
+
+# ------------------------------------------------------------------------------------------------ join
+def test_join_others_contribute_zeros():
+    rank, size = rs()
+    last = size - 1
+    xs = [data("join", r, (9,), np.float64) for r in range(size)]
+    ints = [data("joini", r, (9,), np.int32, low=-20, high=20) for r in range(size)]
+    big = [data("joinbig", r, (100_000,), np.float32) for r in range(size)]
+    if rank == last:
+        assert_same(hvd.allreduce(xs[rank], op=hvd.Sum, name="join.sum"), xs[rank])
+        # Average still divides by the full size
+        assert_same(hvd.allreduce(xs[rank], op=hvd.Average, name="join.avg"),
+                    allreduce_expected([xs[rank]] + [np.zeros_like(xs[rank])] * (size - 1), hvd.Average))
+        assert_same(hvd.allreduce(ints[rank], op=hvd.Average, name="join.int"),
+                    np.trunc(ints[rank].astype(np.float64) / size).astype(np.int32))
+        assert_same(hvd.allreduce(big[rank], op=hvd.Sum, name="join.big"), big[rank])
+    assert hvd.join() == last
+
+
+def test_join_coordinator_last():
+    rank, size = rs()
+    if rank == 0:
+        x = np.arange(5, dtype=np.float32)
+        assert_same(hvd.allreduce(x, op=hvd.Sum, name="join0"), x)
+    assert hvd.join() == 0
+    # everything works normally afterwards
+    assert_same(hvd.allreduce(np.ones(3), op=hvd.Sum, name="after.join"), np.full(3, float(size)))
+
+
+def test_join_every_rank_at_once():
+    rank, size = rs()
+    result = hvd.join()
+    assert 0 <= result < size
+    assert hvd.allgather_object(result) == [result] * size

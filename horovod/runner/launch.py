@@ -320,7 +320,8 @@ def _run_mpi(args: argparse.Namespace, hosts: list[hosts_mod.HostInfo], knobs: d
         command = _command(args)
         command_text = command if isinstance(command, str) else shlex.join(command)
         cmd = mpi_run.mpi_command(args.num_proc, hosts, command_text, env, nics=nics,
-                                  output_filename=args.output_filename, mpi_args=mpi_args, tcp=args.tcp_flag)
+                                  output_filename=args.output_filename, mpi_args=mpi_args, tcp=args.tcp_flag,
+                                  ssh_port=args.ssh_port, ssh_identity_file=args.ssh_identity_file)
         mpi_run.exec_mpirun(cmd, env)
         return None  # not reached
 
@@ -333,7 +334,8 @@ def _run_mpi(args: argparse.Namespace, hosts: list[hosts_mod.HostInfo], knobs: d
         env[auth.SECRET_KEY_ENV] = key.hex()
         command_text = shlex.join(_run_func_command(args, server, store_addr, server.port))
         cmd = mpi_run.mpi_command(args.num_proc, hosts, command_text, env, nics=nics,
-                                  output_filename=args.output_filename, mpi_args=mpi_args, tcp=args.tcp_flag)
+                                  output_filename=args.output_filename, mpi_args=mpi_args, tcp=args.tcp_flag,
+                                  ssh_port=args.ssh_port, ssh_identity_file=args.ssh_identity_file)
         mpi_run.run_mpirun(cmd, env)
         return _collect_results(server, args.num_proc)
 

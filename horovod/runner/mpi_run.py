@@ -31,13 +31,20 @@ def is_exportable(name: str) -> bool:
 
 def mpi_command(num_proc: int, hosts: Sequence[HostInfo], command: str, env: Mapping[str, str], *,
                 nics: Sequence[str] = (), output_filename: str | None = None, mpi_args: str | None = None,
-                tcp: bool = False) -> str:
+                tcp: bool = False, ssh_port: int | None = None, ssh_identity_file: str | None = None) -> str:
     """The Open MPI ``mpirun`` command line for the job (a shell string, as upstream builds it)."""
     host_arg = ",".join(f"{h.hostname}:{h.slots}" for h in hosts)
     parts = ["mpirun", "--allow-run-as-root", "--tag-output", "-np", str(num_proc), "-H", host_arg,
-             "-bind-to", "none", "-map-by", "slot", "-mca", "pml", "ob1", "-mca", "btl", "^openib"]
+             "-bind-to", "none", "-map-by", "slot"]
+    # Open MPI refuses a parameter given twice: the user's --mpi-args replace our defaults.
+    for name, value in (("pml", "ob1"), ("btl", "^openib")):
+        if not re.search(rf"-?-mca\s+{name}\s", mpi_args or ""):
+            parts += ["-mca", name, value]
     if nics:
         parts += ["-mca", "btl_tcp_if_include", ",".join(nics), "-x", "NCCL_SOCKET_IFNAME"]
+    rsh_args = (["-p", str(ssh_port)] if ssh_port else []) + (["-i", ssh_identity_file] if ssh_identity_file else [])
+    if rsh_args:  # how mpirun's ssh reaches the other hosts' orted
+        parts += ["-mca", "plm_rsh_args", " ".join(shlex.quote(a) for a in rsh_args)]
     if output_filename:
         parts += ["--output-filename", output_filename]
     if tcp:

@@ -39,6 +39,9 @@ def check(expected_backend: str, piddir: str) -> None:
         out = hvd.allreduce(x, op=hvd.Sum, name=f"big.{np.dtype(dtype).name}")
         expected = (np.arange(n) % 7 * size + size * (size - 1) // 2).astype(dtype)
         np.testing.assert_array_equal(out, expected)
+    # Before any rank can finish: a rank's shutdown ends the job (and its communicators) everywhere.
+    backend = type(basics.engine()._communicator(0)).__name__
+    assert backend == expected_backend, (backend, expected_backend)
     rows = [np.full((1000 * (r + 1), 33), r, np.float32) for r in range(size)]
     gathered = hvd.allgather(rows[rank], name="big.allgather")
     np.testing.assert_array_equal(gathered, np.concatenate(rows))
@@ -48,8 +51,7 @@ def check(expected_backend: str, piddir: str) -> None:
     np.testing.assert_array_equal(parts, np.repeat(np.arange(size, dtype=np.int32) * 100 + rank, 1000))
     rs = hvd.reducescatter(np.ones((size * 1000, 4), np.float32) * (rank + 1), op=hvd.Sum, name="rs")
     assert rs.shape == (1000, 4) and (rs == size * (size + 1) / 2).all()
-    backend = type(basics.engine()._communicator(0)).__name__
-    assert backend == expected_backend, (backend, expected_backend)
+    hvd.barrier()
     if rank == 0:
         print(f"MULTIHOST-OK size={size} local_size={hvd.local_size()} cross_size={hvd.cross_size()} "
               f"backend={backend} mpi={hvd.mpi_enabled()} hosts={sorted({h for *_, h in layouts})}")

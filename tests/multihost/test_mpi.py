@@ -1,0 +1,134 @@
+"""MPI launches: ``mpirun`` (Debian's Open MPI) on this host and across namespace hosts, ``horovodrun --mpi``,
+``hvd.init(comm=...)``, env detection for Open MPI, MPICH and Slurm."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO, WORKER
+
+from horovod.transport.mpi import LaunchEnv, detect_launch
+
+MPI_WORKER = os.path.join("tests", "multihost", "mpi_worker.py")
+HAVE_MPI = shutil.which("mpirun") is not None and importlib.util.find_spec("mpi4py") is not None
+needs_mpi = pytest.mark.skipif(not HAVE_MPI and os.environ.get("HOROVOD_TEST_REQUIRE_MULTIHOST") != "1",
+                               reason="needs mpirun and mpi4py")
+pytestmark = pytest.mark.timeout(180)
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("HOROVOD_", "OMPI_", "PMI_", "SLURM_", "PMIX_"))}
+    env["PYTHONPATH"] = os.pathsep.join([REPO, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env.update(extra)
+    return env
+
+
+def mpirun(np_: int, argv: list[str], *, env: dict[str, str] | None = None, extra: list[str] = (),
+           ns: str | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    cmd = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", str(np_), *extra, *argv]
+    if ns:
+        cmd = ["ip", "netns", "exec", ns, *cmd]
+    return subprocess.run(cmd, cwd=REPO, env=env or _env(), capture_output=True, text=True, timeout=timeout)
+
+
+def _ok(proc: subprocess.CompletedProcess) -> None:
+    assert proc.returncode == 0, f"rc={proc.returncode}\nstdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
+
+
+# ------------------------------------------------------------------------------------- env detection
+def test_detect_open_mpi_mpich_slurm():
+    assert detect_launch({"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "4",
+                          "OMPI_COMM_WORLD_LOCAL_RANK": "1", "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}) == \
+        LaunchEnv("openmpi", 3, 4, 1, 2)
+    assert detect_launch({"PMI_RANK": "1", "PMI_SIZE": "2", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2"}) == \
+        LaunchEnv("mpich", 1, 2, 1, 2)
+    slurm = {"SLURM_PROCID": "5", "SLURM_STEP_NUM_TASKS": "6", "SLURM_LOCALID": "1", "SLURM_NODEID": "2",
+             "SLURM_STEP_TASKS_PER_NODE": "2(x2),2", "SLURM_JOB_ID": "7"}
+    assert detect_launch(slurm) == LaunchEnv("slurm", 5, 6, 1, 2)
+
+
+def test_detect_ignores_horovodrun_and_batch_scripts():
+    # horovodrun's own variables win over an outer mpirun/srun.
+    assert detect_launch({"HOROVOD_RANK": "0", "OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "2"}) is None
+    # An sbatch script is rank 0 of the allocation but no srun step: not a launch.
+    assert detect_launch({"SLURM_PROCID": "0", "SLURM_NTASKS": "4", "SLURM_JOB_ID": "7"}) is None
+    assert detect_launch({}) is None
+
+
+@needs_mpi
+def test_fake_slurm_step():
+    code = "import horovod.numpy as hvd; hvd.init(); print('SLURM', hvd.size(), hvd.mpi_enabled())"
+    one = {"SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "1", "SLURM_LOCALID": "0", "SLURM_NODEID": "0",
+           "SLURM_STEP_TASKS_PER_NODE": "1"}
+    proc = subprocess.run([sys.executable, "-c", code], env=_env(**one), capture_output=True, text=True,
+                          timeout=60)
+    _ok(proc)
+    assert "SLURM 1 True" in proc.stdout
+    # srun started 2 tasks but MPI was not wired up (no PMI): a clear error instead of two size-1 jobs.
+    two = dict(one, SLURM_STEP_NUM_TASKS="2", SLURM_STEP_TASKS_PER_NODE="2")
+    proc = subprocess.run([sys.executable, "-c", code], env=_env(**two), capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode != 0 and "slurm started 2 processes but MPI sees 1" in proc.stderr
+    assert "srun with --mpi=pmix" in proc.stderr
+
+
+# ------------------------------------------------------------------------------------- mpirun on this host
+@needs_mpi
+def test_numpy_suite_under_mpirun():
+    proc = mpirun(4, [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
+                      "tests/parallel/test_numpy_ops.py", "-k", "not test_layout_matches_launcher"], timeout=170)
+    _ok(proc)
+    assert proc.stdout.count("passed") >= 4
+
+
+@needs_mpi
+def test_layout_and_mpi_data_plane(tmp_path):
+    proc = mpirun(4, [sys.executable, WORKER, "check", "MpiCommunicator", str(tmp_path)])
+    _ok(proc)
+    assert "MULTIHOST-OK size=4 local_size=4 cross_size=1 backend=MpiCommunicator mpi=True" in proc.stdout
+
+
+@needs_mpi
+@pytest.mark.parametrize("mode,env,marker", [
+    ("mix", {}, "MIX-OK"),                # the user's own mpi4py calls while Horovod's are in flight
+    ("ranks", {}, "RANKS-OK"),            # hvd.init(comm=[0, 2])
+    ("comm", {}, "COMM-OK"),              # hvd.init(comm=<split communicator>)
+    ("threads-off", {"HOROVOD_MPI_THREADS_DISABLE": "1"}, "THREADS-OFF-OK"),
+    ("gloo-ops", {"HOROVOD_CPU_OPERATIONS": "gloo"}, "GLOO-OPS-OK"),
+])
+def test_mpi_modes(mode, env, marker):
+    proc = mpirun(4, [sys.executable, MPI_WORKER, mode], env=_env(**env))
+    _ok(proc)
+    expected = 2 if mode == "ranks" else 4
+    assert proc.stdout.count(marker) == expected, proc.stdout
+
+
+@needs_mpi
+def test_horovodrun_mpi_and_check_build(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "horovod.runner", "--mpi", "-np", "2", "--mpi-args=--oversubscribe",
+                           sys.executable, WORKER, "check", "MpiCommunicator", str(tmp_path)], cwd=REPO, env=_env(),
+                          capture_output=True, text=True, timeout=120)
+    _ok(proc)
+    assert "MULTIHOST-OK size=2" in proc.stdout and "mpi=True" in proc.stdout
+    proc = subprocess.run([sys.executable, "-m", "horovod.runner", "--check-build"], env=_env(),
+                          capture_output=True, text=True, timeout=60)
+    assert "Available Controllers:\n    [X] MPI\n    [X] Gloo" in proc.stdout
+
+
+# ------------------------------------------------------------------------------------- mpirun across hosts
+@needs_mpi
+def test_horovodrun_mpi_across_namespace_hosts(netns_hosts, tmp_path):
+    # Every namespace host has the same hostname, so Open MPI's shared-memory transport would mix up the
+    # nodes' segments: TCP only (a property of this test bed, not of real clusters).
+    proc = netns_hosts.horovodrun("hvdh1", [
+        "--mpi", "-np", "4", "-H", "hvdh2:2,hvdh3:2", "--network-interface", "eth0",
+        "--mpi-args=--mca btl tcp,self --mca oob_tcp_if_include eth0", sys.executable, WORKER, "check",
+        "MpiCommunicator", str(tmp_path)], timeout=120)
+    _ok(proc)
+    assert "MULTIHOST-OK size=4 local_size=2 cross_size=2 backend=MpiCommunicator mpi=True" in proc.stdout

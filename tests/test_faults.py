@@ -1,0 +1,227 @@
+"""Faults, driven from outside the job (not in lockstep): stalls, a killed rank, an early exit, the timeline.
+
+Each test launches a small script with ``python -m horovod.runner`` and checks what every rank reported,
+that the job ended within a deadline, and that nothing was left behind (processes, /dev/shm files).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import textwrap
+
+import pytest
+from launch_util import clean_env, launch, marked_processes
+
+pytestmark = pytest.mark.skipif(bool(os.environ.get("HOROVOD_RANK")), reason="drives the launcher itself")
+
+SHUT_DOWN_PREFIX = "Horovod has been shut down."
+
+
+def _dev_shm() -> set[str]:
+    """Files in /dev/shm, minus those of other programs that may run meanwhile (Open MPI's segments)."""
+    try:
+        names = os.listdir("/dev/shm")
+    except FileNotFoundError:
+        return set()
+    return {n for n in names if not n.startswith(("vader_segment", "sm_segment", "psm", "ompi"))}
+
+
+def _script(tmp_path, body: str) -> str:
+    path = tmp_path / "job.py"
+    path.write_text(textwrap.dedent("""\
+        import json, os, signal, sys, time
+        import numpy as np
+        import horovod.numpy as hvd
+        OUT = sys.argv[1]
+
+        def report(**kw):
+            with open(os.path.join(OUT, f"rank{hvd.rank()}.json"), "w") as f:
+                json.dump(kw, f)
+        """) + textwrap.dedent(body))
+    return str(path)
+
+
+def _reports(tmp_path, size):
+    out = {}
+    for r in range(size):
+        p = tmp_path / f"rank{r}.json"
+        if p.exists():
+            out[r] = json.loads(p.read_text())
+    return out
+
+
+def _run(tmp_path, np_, body, timeout=90.0, **env):
+    script = _script(tmp_path, body)
+    before = _dev_shm()
+    code, out, marker = launch(np_, [sys.executable, script, str(tmp_path)], env=clean_env(**env), timeout=timeout)
+    leftovers = marked_processes(marker)
+    new_shm = _dev_shm() - before
+    print(out)
+    assert code is not None, f"the job did not finish within {timeout} s"
+    assert not leftovers, f"processes left behind: {leftovers}"
+    assert not new_shm, f"new files in /dev/shm: {new_shm}"
+    return code, out
+
+
+def test_stalled_rank_is_reported_and_shuts_the_job_down(tmp_path):
+    body = """
+        hvd.init()
+        t0 = time.monotonic()
+        if hvd.rank() == 1:
+            time.sleep(6)  # never submits "stalled.tensor"
+            try:
+                hvd.allreduce(np.ones(2), name="late")
+                report(ok=True)
+            except Exception as e:
+                report(error=str(e), type=type(e).__name__, elapsed=time.monotonic() - t0)
+            sys.exit(1)
+        try:
+            hvd.allreduce(np.ones(2), name="stalled.tensor")
+            report(ok=True)
+        except Exception as e:
+            report(error=str(e), type=type(e).__name__, elapsed=time.monotonic() - t0)
+        time.sleep(max(0.0, 8 - (time.monotonic() - t0)))  # let rank 1 report before the launcher stops it
+        sys.exit(1)
+    """
+    code, out = _run(tmp_path, 2, body, HOROVOD_STALL_CHECK_TIME_SECONDS="1", HOROVOD_STALL_SHUTDOWN_TIME_SECONDS="3")
+    assert code != 0
+    reports = _reports(tmp_path, 2)
+    assert set(reports) == {0, 1}, out
+    r0 = reports[0]
+    assert "error" in r0, r0
+    assert r0["error"].startswith(SHUT_DOWN_PREFIX)
+    assert "rank 1" in r0["error"] and "stalled.tensor" in r0["error"]
+    assert r0["elapsed"] < 10.0
+    assert reports[1]["error"].startswith(SHUT_DOWN_PREFIX)
+    assert "Missing ranks:" in out and "stalled.tensor" in out
+
+
+def test_killed_rank_fails_the_others_quickly(tmp_path):
+    body = """
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # outlive the launcher's SIGTERM to report
+        hvd.init()
+        for i in range(3):
+            hvd.allreduce(np.ones(100_000, np.float32), name=f"warmup.{i}")
+        if hvd.rank() == 1:
+            hvd.barrier()
+            time.sleep(0.5)
+            os.kill(os.getpid(), signal.SIGKILL)
+        hvd.barrier()
+        t0 = time.monotonic()
+        try:
+            hvd.allreduce(np.ones(100_000, np.float32), name="after.kill")
+            report(ok=True)
+        except Exception as e:
+            report(error=str(e), type=type(e).__name__, elapsed=time.monotonic() - t0)
+        sys.exit(1)
+    """
+    code, out = _run(tmp_path, 3, body)
+    assert code != 0
+    reports = _reports(tmp_path, 3)
+    assert 1 not in reports
+    for r in (0, 2):
+        assert r in reports, out
+        assert reports[r].get("error", "").startswith(SHUT_DOWN_PREFIX), reports[r]
+        assert reports[r]["elapsed"] < 5.0
+
+
+def test_rank_exiting_early_fails_the_next_collective(tmp_path):
+    body = """
+        hvd.init()
+        hvd.allreduce(np.ones(2), name="together")
+        if hvd.rank() == 1:
+            sys.exit(0)  # normal exit: atexit shuts Horovod down
+        time.sleep(1.0)
+        t0 = time.monotonic()
+        try:
+            hvd.allreduce(np.ones(2), name="after.exit")
+            report(ok=True)
+        except Exception as e:
+            report(error=str(e), type=type(e).__name__, elapsed=time.monotonic() - t0)
+    """
+    code, out = _run(tmp_path, 2, body, timeout=60.0)
+    reports = _reports(tmp_path, 2)
+    assert 0 in reports, out
+    assert reports[0].get("error", "").startswith(SHUT_DOWN_PREFIX), reports[0]
+    assert reports[0]["type"] == "ShutdownError"
+    assert reports[0]["elapsed"] < 5.0
+    assert code == 0
+
+
+def _timeline_records(path):
+    with open(path) as f:
+        return json.load(f)
+
+
+def test_timeline_file(tmp_path):
+    timeline = tmp_path / "timeline.json"
+    body = """
+        hvd.init()
+        for _ in range(3):
+            hvd.allreduce(np.ones(10), name="test_allreduce")
+        hvd.allreduce(np.ones(300_000, np.float32), name="test_big_allreduce")
+        hvd.allgather(np.ones((hvd.rank() + 1, 2)), name="test_allgather")
+        hvd.broadcast(np.ones(3), 0, name="test_broadcast")
+        hvd.barrier()
+        report(ok=True)
+    """
+    code, out = _run(tmp_path, 2, body, HOROVOD_TIMELINE=str(timeline))
+    assert code == 0, out
+    records = _timeline_records(timeline)
+    text = timeline.read_text()
+    for needle in ("NEGOTIATE_ALLREDUCE", '"ALLREDUCE"', "test_allreduce", "test_big_allreduce", "ALLGATHER",
+                   "BROADCAST", "start_time_since_epoch_in_micros"):
+        assert needle in text, needle
+    names = {r["args"]["name"] for r in records if r.get("name") == "process_name" and "name" in r.get("args", {})}
+    assert {"test_allreduce", "test_big_allreduce", "test_allgather", "test_broadcast"} <= names
+    ends = [r for r in records if r.get("ph") == "E" and "args" in r]
+    assert any(r["args"].get("dtype") == "float32" and r["args"].get("shape") == "[300000]" for r in ends)
+
+
+def test_dynamic_timeline(tmp_path):
+    first, second = tmp_path / "first.json", tmp_path / "second.json"
+    body = f"""
+        hvd.init()
+        hvd.allreduce(np.ones(4), name="before_start")
+        hvd.start_timeline({str(first)!r})
+        hvd.allreduce(np.ones(4), name="while_recording")
+        hvd.stop_timeline()
+        hvd.barrier()  # rank 0 has stopped before anyone submits the next tensor
+        hvd.allreduce(np.ones(4), name="after_stop")
+        hvd.start_timeline({str(second)!r}, mark_cycles=True)
+        hvd.allreduce(np.ones(4), name="second_file")
+        hvd.stop_timeline()
+        report(ok=True)
+    """
+    code, out = _run(tmp_path, 2, body, HOROVOD_TIMELINE="DYNAMIC")
+    assert code == 0, out
+    text1 = first.read_text()
+    _timeline_records(first)
+    assert "while_recording" in text1 and "NEGOTIATE_ALLREDUCE" in text1
+    assert "before_start" not in text1 and "after_stop" not in text1 and "second_file" not in text1
+    text2 = second.read_text()
+    _timeline_records(second)
+    assert "second_file" in text2 and "while_recording" not in text2
+    assert not (tmp_path / "DYNAMIC").exists()
+
+
+def test_unnamed_ops_in_dynamic_sets_with_different_histories(tmp_path):
+    # Engine bug 9: unnamed names come from one per-process counter, so members of a set whose histories
+    # differ submit different names.  Expected: success (names agree within a set); today: a stall.
+    body = """
+        hvd.init()
+        r = hvd.rank()
+        for members in ([1, 2], [2, 3]):
+            ps = hvd.add_process_set(members)
+            if r in members:
+                out = hvd.allreduce(np.ones(2), op=hvd.Sum, process_set=ps)
+                assert out.tolist() == [2.0, 2.0]
+            hvd.remove_process_set(ps)
+        report(ok=True)
+    """
+    code, out = _run(tmp_path, 4, body, timeout=60.0, HOROVOD_DYNAMIC_PROCESS_SETS="1",
+                     HOROVOD_STALL_CHECK_TIME_SECONDS="1", HOROVOD_STALL_SHUTDOWN_TIME_SECONDS="3")
+    assert code == 0, out
+    assert set(_reports(tmp_path, 4)) == {0, 1, 2, 3}

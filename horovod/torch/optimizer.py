@@ -314,9 +314,14 @@ class _DistributedOptimizer:
         return self._optimizer.step() if closure is None else self._optimizer.step(closure)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """The wrapped optimizer's ``zero_grad``; refused while gradients of this step are being reduced."""
-        if self._pending or self._seen:
+        """The wrapped optimizer's ``zero_grad``; refused while a reduction is writing into the gradients.
+
+        Reductions finish before ``backward()`` returns, so after it ``zero_grad()`` simply discards this
+        step's gradients and pass counters, as in plain PyTorch (``GradScaler`` skipping ``step()`` on an
+        overflow relies on this).  Upstream refused any call between ``backward()`` and ``step()``."""
+        if any(not r.done for r in self._pending.values()):
             raise AssertionError(_ZERO_GRAD_RACE)
+        self._reset_counters()
         self._optimizer.zero_grad(set_to_none=set_to_none)
 
     def set_backward_passes_per_step(self, passes: int) -> None:

@@ -58,6 +58,13 @@ def tol(dtype):
     return {torch.float16: 2e-3, torch.bfloat16: 1e-2}.get(dtype, 1e-6)
 
 
+@pytest.fixture
+def nid(request):
+    """Explicit names for collectives on a subset: unnamed ones would advance the auto-name counter on the
+    members only, and the next unnamed global collective would get different names on different ranks."""
+    return request.node.name
+
+
 def skip_if_not_member(ps):
     if RANK not in ps.ranks:
         pytest.skip("not a member of this process set")
@@ -67,22 +74,22 @@ def skip_if_not_member(ps):
 @pytest.mark.parametrize("mode", ["sync", "async", "inplace", "inplace_async"])
 @pytest.mark.parametrize("op_name", list(OPS))
 @pytest.mark.parametrize("dtype", REDUCE_DTYPES, ids=str)
-def test_allreduce(set_name, mode, op_name, dtype):
+def test_allreduce(set_name, mode, op_name, dtype, nid):
     ps, op = SETS[set_name], OPS[op_name]
     skip_if_not_member(ps)
     shape = (3, 5)
     x = data(RANK, shape, dtype)
     orig = x.clone()
     if mode == "sync":
-        out = hvd.allreduce(x, op=op, process_set=ps)
+        out = hvd.allreduce(x, op=op, process_set=ps, name=nid)
         assert torch.equal(x, orig), "out-of-place allreduce must not touch its input"
     elif mode == "async":
-        out = hvd.synchronize(hvd.allreduce_async(x, op=op, process_set=ps))
+        out = hvd.synchronize(hvd.allreduce_async(x, op=op, process_set=ps, name=nid))
     elif mode == "inplace":
-        out = hvd.allreduce_(x, op=op, process_set=ps)
+        out = hvd.allreduce_(x, op=op, process_set=ps, name=nid)
         assert out is x
     else:
-        h = hvd.allreduce_async_(x, op=op, process_set=ps)
+        h = hvd.allreduce_async_(x, op=op, process_set=ps, name=nid)
         out = hvd.synchronize(h)
         assert out is x
     assert out.dtype == dtype and out.shape == shape
@@ -93,16 +100,16 @@ def test_allreduce(set_name, mode, op_name, dtype):
 @pytest.mark.parametrize("set_name", list(SETS))
 @pytest.mark.parametrize("inplace", [False, True])
 @pytest.mark.parametrize("dtype", [torch.int32, torch.float16, torch.bfloat16, torch.float32], ids=str)
-def test_grouped_allreduce(set_name, inplace, dtype):
+def test_grouped_allreduce(set_name, inplace, dtype, nid):
     ps = SETS[set_name]
     skip_if_not_member(ps)
     shapes = [(4,), (2, 3), ()]
     xs = [data(RANK, s, dtype) for s in shapes]
     if inplace:
-        outs = hvd.grouped_allreduce_(xs, op=hvd.Sum, process_set=ps)
+        outs = hvd.grouped_allreduce_(xs, op=hvd.Sum, process_set=ps, name=nid)
         assert all(o is x for o, x in zip(outs, xs))
     else:
-        outs = hvd.synchronize(hvd.grouped_allreduce_async(xs, op=hvd.Sum, process_set=ps))
+        outs = hvd.synchronize(hvd.grouped_allreduce_async(xs, op=hvd.Sum, process_set=ps, name=nid))
         assert isinstance(outs, tuple)
     for out, s in zip(outs, shapes):
         np.testing.assert_allclose(as_np(out), expected_reduce(ps, hvd.Sum, dtype, s), rtol=tol(dtype))
@@ -120,16 +127,16 @@ def test_prescale_postscale():
 @pytest.mark.parametrize("set_name", list(SETS))
 @pytest.mark.parametrize("mode", ["sync", "async", "grouped"])
 @pytest.mark.parametrize("dtype", MOVE_DTYPES, ids=str)
-def test_allgather(set_name, mode, dtype):
+def test_allgather(set_name, mode, dtype, nid):
     ps = SETS[set_name]
     skip_if_not_member(ps)
     x = data(RANK, (RANK + 1, 2), dtype)  # different first dimension per rank
     if mode == "sync":
-        out = hvd.allgather(x, process_set=ps)
+        out = hvd.allgather(x, process_set=ps, name=nid)
     elif mode == "async":
-        out = hvd.synchronize(hvd.allgather_async(x, process_set=ps))
+        out = hvd.synchronize(hvd.allgather_async(x, process_set=ps, name=nid))
     else:
-        out, out2 = hvd.grouped_allgather([x, x[:, :1]], process_set=ps)
+        out, out2 = hvd.grouped_allgather([x, x[:, :1]], process_set=ps, name=nid)
         assert torch.equal(out2, out[:, :1])
     expected = torch.cat([data(r, (r + 1, 2), dtype) for r in members(ps)])
     assert out.dtype == dtype and torch.equal(out, expected)
@@ -138,20 +145,20 @@ def test_allgather(set_name, mode, dtype):
 @pytest.mark.parametrize("set_name", list(SETS))
 @pytest.mark.parametrize("mode", ["sync", "async", "inplace", "inplace_async"])
 @pytest.mark.parametrize("dtype", MOVE_DTYPES, ids=str)
-def test_broadcast(set_name, mode, dtype):
+def test_broadcast(set_name, mode, dtype, nid):
     ps = SETS[set_name]
     skip_if_not_member(ps)
     for root in members(ps):
         x = data(RANK, (2, 3), dtype)
         if mode == "sync":
-            out = hvd.broadcast(x, root, process_set=ps)
+            out = hvd.broadcast(x, root, process_set=ps, name=f"{nid}.{root}")
         elif mode == "async":
-            out = hvd.synchronize(hvd.broadcast_async(x, root, process_set=ps))
+            out = hvd.synchronize(hvd.broadcast_async(x, root, process_set=ps, name=f"{nid}.{root}"))
         elif mode == "inplace":
-            out = hvd.broadcast_(x, root, process_set=ps)
+            out = hvd.broadcast_(x, root, process_set=ps, name=f"{nid}.{root}")
             assert out is x
         else:
-            out = hvd.synchronize(hvd.broadcast_async_(x, root, process_set=ps))
+            out = hvd.synchronize(hvd.broadcast_async_(x, root, process_set=ps, name=f"{nid}.{root}"))
             assert out is x
         assert torch.equal(out, data(root, (2, 3), dtype))
 
@@ -159,7 +166,7 @@ def test_broadcast(set_name, mode, dtype):
 @pytest.mark.parametrize("set_name", list(SETS))
 @pytest.mark.parametrize("with_splits", [False, True])
 @pytest.mark.parametrize("dtype", MOVE_DTYPES, ids=str)
-def test_alltoall(set_name, with_splits, dtype):
+def test_alltoall(set_name, with_splits, dtype, nid):
     ps = SETS[set_name]
     skip_if_not_member(ps)
     ranks = members(ps)
@@ -173,10 +180,10 @@ def test_alltoall(set_name, with_splits, dtype):
 
     x = tensor_of(me)
     if with_splits:
-        out, received = hvd.alltoall(x, splits=torch.tensor(splits_of(me), dtype=torch.int32), process_set=ps)
+        out, received = hvd.alltoall(x, splits=torch.tensor(splits_of(me), dtype=torch.int32), process_set=ps, name=nid)
         assert received.tolist() == [splits_of(i)[me] for i in range(n)]
     else:
-        out = hvd.alltoall(x, process_set=ps)
+        out = hvd.alltoall(x, process_set=ps, name=nid)
     parts = []
     for i in range(n):
         start = sum(splits_of(i)[:me])
@@ -194,7 +201,7 @@ def test_alltoall_async_returns_splits():
 @pytest.mark.parametrize("op_name", ["sum", "average"])
 @pytest.mark.parametrize("mode", ["sync", "async", "grouped"])
 @pytest.mark.parametrize("dtype", REDUCE_DTYPES, ids=str)
-def test_reducescatter(set_name, op_name, mode, dtype):
+def test_reducescatter(set_name, op_name, mode, dtype, nid):
     ps, op = SETS[set_name], OPS[op_name]
     skip_if_not_member(ps)
     ranks = members(ps)
@@ -202,11 +209,11 @@ def test_reducescatter(set_name, op_name, mode, dtype):
     shape = (2 * n + 1, 2)  # uneven: the first member gets one row more
     x = data(RANK, shape, dtype)
     if mode == "sync":
-        out = hvd.reducescatter(x, op=op, process_set=ps)
+        out = hvd.reducescatter(x, op=op, process_set=ps, name=nid)
     elif mode == "async":
-        out = hvd.synchronize(hvd.reducescatter_async(x, op=op, process_set=ps))
+        out = hvd.synchronize(hvd.reducescatter_async(x, op=op, process_set=ps, name=nid))
     else:
-        out = hvd.grouped_reducescatter([x], op=op, process_set=ps)[0]
+        out = hvd.grouped_reducescatter([x], op=op, process_set=ps, name=nid)[0]
     rows = [shape[0] // n + (1 if j < shape[0] % n else 0) for j in range(n)]
     start = sum(rows[:me])
     expected = expected_reduce(ps, op, dtype, shape)[start:start + rows[me]]

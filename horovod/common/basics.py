@@ -14,7 +14,7 @@ import socket
 import threading
 from collections.abc import Sequence
 
-from horovod.common import auth
+from horovod.common import auth, naming
 from horovod.common.config import env_float, read_runtime_config
 from horovod.common.process_sets import ProcessSet, global_process_set
 from horovod.runtime.engine import Engine, Topology
@@ -88,6 +88,7 @@ def init(comm=None, process_sets: Sequence[ProcessSet] | str | None = None) -> N
         _static_sets = sets
         _dynamic_counter = 0
         _init_count += 1
+        naming.reset()
         global_process_set.ranks = list(range(topology.size))
         global_process_set.process_set_id = 0
         if not _atexit_registered:
@@ -375,6 +376,7 @@ def add_process_set(ps: ProcessSet) -> ProcessSet:
     req = Request(RequestType.ADD_PROCESS_SET, 0, name, splits=tuple(ps.ranks))
     payload = e.enqueue([(req, None, None)])[0].wait()
     ps.process_set_id = payload[0]
+    naming.reset(ps.process_set_id)
     return ps
 
 

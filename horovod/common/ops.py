@@ -8,13 +8,13 @@ enqueues it; the sync, async, in-place and grouped variants of the adapters are 
 from __future__ import annotations
 
 import itertools
-import threading
 import warnings
 from collections.abc import Sequence
 
 import numpy as np
 
 from horovod.common import basics
+from horovod.common.naming import auto_name
 from horovod.common.process_sets import ProcessSet, global_process_set
 from horovod.runtime.messages import Request, RequestType, dtype_code
 from horovod.runtime.queue import Handle
@@ -29,15 +29,7 @@ _OP_NAMES = {RequestType.ALLREDUCE: "Allreduce", RequestType.ALLGATHER: "Allgath
              RequestType.BROADCAST: "Broadcast", RequestType.ALLTOALL: "Alltoall",
              RequestType.REDUCESCATTER: "Reducescatter", RequestType.BARRIER: "Barrier",
              RequestType.JOIN: "Join"}
-_counter = itertools.count(1)
 _group_ids = itertools.count(1)
-_counter_lock = threading.Lock()
-
-
-def auto_name(prefix: str) -> str:
-    """``<prefix>.noname.<n>``: ranks calling in the same order generate the same names."""
-    with _counter_lock:
-        return f"{prefix}.noname.{next(_counter)}"
 
 
 def handle_average_backwards_compatibility(op: int | None, average: bool | None) -> int:
@@ -93,7 +85,7 @@ def allreduce(tensor, output: np.ndarray | None = None, *, name: str | None = No
     _check_op(op, RequestType.ALLREDUCE)
     ps_id, _ = _set_id(process_set, RequestType.ALLREDUCE)
     arr = _array(tensor)
-    req = Request(RequestType.ALLREDUCE, ps_id, name or auto_name("allreduce"), dtype_code(arr.dtype), arr.shape,
+    req = Request(RequestType.ALLREDUCE, ps_id, name or auto_name("allreduce", ps_id), dtype_code(arr.dtype), arr.shape,
                   -1, op, float(prescale_factor), float(postscale_factor))
     return _enqueue([(req, arr, output)])[0]
 
@@ -106,7 +98,7 @@ def grouped_allreduce(tensors: Sequence, outputs: Sequence | None = None, *, nam
     arrays = [_array(t) for t in tensors]
     if _grouped and len({a.dtype for a in arrays}) > 1:
         raise ValueError("Tensors in a grouped allreduce must all have the same dtype.")
-    base = name or auto_name("grouped_allreduce" if _grouped else "allreduce")
+    base = name or auto_name("grouped_allreduce" if _grouped else "allreduce", ps_id)
     group_id = next(_group_ids) if _grouped and len(arrays) > 1 else -1
     items = []
     for i, arr in enumerate(arrays):
@@ -125,7 +117,7 @@ def grouped_allgather(tensors: Sequence, *, name: str | None = None,
                       process_set: ProcessSet = global_process_set, _grouped: bool = True) -> list[Handle]:
     ps_id, _ = _set_id(process_set, RequestType.ALLGATHER)
     arrays = [_array(t) for t in tensors]
-    base = name or auto_name("grouped_allgather" if _grouped else "allgather")
+    base = name or auto_name("grouped_allgather" if _grouped else "allgather", ps_id)
     items = []
     for i, arr in enumerate(arrays):
         tname = f"{base}_{i + 1}of{len(arrays)}" if _grouped else base
@@ -139,7 +131,7 @@ def broadcast(tensor, root_rank: int, output: np.ndarray | None = None, *, name:
     if root_rank not in ranks:
         raise ValueError(f"broadcast received invalid root rank {root_rank} for provided process set")
     arr = _array(tensor)
-    req = Request(RequestType.BROADCAST, ps_id, name or auto_name("broadcast"), dtype_code(arr.dtype),
+    req = Request(RequestType.BROADCAST, ps_id, name or auto_name("broadcast", ps_id), dtype_code(arr.dtype),
                   arr.shape, int(root_rank))
     return _enqueue([(req, arr, output)])[0]
 
@@ -169,7 +161,7 @@ def alltoall(tensor, splits=None, *, name: str | None = None,
             raise ValueError("alltoall expects non-negative splits.")
         if sum(split_list) > dim0:
             raise ValueError("Sum of splits entries is greater than the first dimension of tensor.")
-    req = Request(RequestType.ALLTOALL, ps_id, name or auto_name("alltoall"), dtype_code(arr.dtype), arr.shape,
+    req = Request(RequestType.ALLTOALL, ps_id, name or auto_name("alltoall", ps_id), dtype_code(arr.dtype), arr.shape,
                   splits=tuple(split_list))
     return _enqueue([(req, arr, None)])[0]
 
@@ -187,7 +179,7 @@ def grouped_reducescatter(tensors: Sequence, *, name: str | None = None, op: int
     _check_op(op, RequestType.REDUCESCATTER)
     ps_id, _ = _set_id(process_set, RequestType.REDUCESCATTER)
     arrays = [_array(t) for t in tensors]
-    base = name or auto_name("grouped_reducescatter" if _grouped else "reducescatter")
+    base = name or auto_name("grouped_reducescatter" if _grouped else "reducescatter", ps_id)
     items = []
     for i, arr in enumerate(arrays):
         tname = f"{base}_{i + 1}of{len(arrays)}" if _grouped else base

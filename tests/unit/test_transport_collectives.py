@@ -172,7 +172,8 @@ def _choose(ctx: Ctx) -> dict:
     from horovod.transport import choose_backend, make_communicator
 
     out = {"all": choose_backend(ctx.mesh, list(range(ctx.size)), ctx.config),
-           "no_hier": choose_backend(ctx.mesh, list(range(ctx.size)), RuntimeConfig(hierarchical_allreduce=False)),
+           "no_hier": choose_backend(ctx.mesh, list(range(ctx.size)),
+                                     RuntimeConfig(hierarchical_allreduce=False, hierarchical_allgather=False)),
            "pair": choose_backend(ctx.mesh, [0, 1], ctx.config)}
     comm = make_communicator(ctx.mesh, list(range(ctx.size)), ctx.config)
     x = np.full(100_000, ctx.rank + 1, np.float32)

@@ -1,0 +1,261 @@
+"""horovod.tensorflow collectives on every rank in lockstep, in eager, tf.function and TF1 graph mode:
+
+    horovodrun -np 2 python -m pytest -x -q tests/parallel/test_tensorflow_ops.py
+
+Inputs come from parallel_util.data (every rank can build every rank's input), expected values from numpy.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from parallel_util import allreduce_expected, data, launcher_rank_size, reducescatter_rows
+
+import horovod.tensorflow as hvd
+
+MODES = ["eager", "function", "graph"]
+REDUCE_DTYPES = [np.uint8, np.int8, np.int32, np.int64, np.float16, np.float32, np.float64]
+GATHER_DTYPES = REDUCE_DTYPES + [np.uint16, np.int16, np.bool_]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def horovod():
+    hvd.init()
+    yield
+    hvd.barrier()
+
+
+def run(mode: str, fn, *inputs):
+    """Evaluate ``fn(*tensors)`` in the given execution mode; returns numpy (or a list of numpy)."""
+    if mode == "eager":
+        out = fn(*[tf.constant(x) for x in inputs])
+    elif mode == "function":
+        out = tf.function(fn)(*[tf.constant(x) for x in inputs])
+    else:
+        with tf.Graph().as_default() as g:
+            phs = [tf.compat.v1.placeholder(tf.as_dtype(x.dtype), x.shape) for x in inputs]
+            res = fn(*phs)
+            with tf.compat.v1.Session(graph=g) as s:
+                return s.run(res, dict(zip(phs, inputs)))
+    return tf.nest.map_structure(lambda t: t.numpy(), out)
+
+
+def test_layout():
+    rank, size = launcher_rank_size()
+    assert (hvd.rank(), hvd.size()) == (rank, size)
+    assert int(hvd.rank_op()) == rank and int(hvd.size_op()) == size
+    assert int(hvd.local_rank_op()) == hvd.local_rank() and int(hvd.local_size_op()) == hvd.local_size()
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", REDUCE_DTYPES, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("op", [hvd.Average, hvd.Sum])
+def test_allreduce(mode, dtype, op):
+    r, n = hvd.rank(), hvd.size()
+    key = ("ar", mode, np.dtype(dtype).name, op)
+    xs = [data(key, j, (3, 5), dtype, low=-3, high=3) for j in range(n)]
+    got = run(mode, lambda t: hvd.allreduce(t, op=op, name=f"ar_{mode}_{op}"), xs[r])
+    exp = allreduce_expected(xs, op)
+    np.testing.assert_allclose(got.astype(np.float64), exp.astype(np.float64), rtol=1e-3)
+    assert got.dtype == np.dtype(dtype)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", [np.int32, np.float32], ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("op", [hvd.Min, hvd.Max, hvd.Product])
+def test_allreduce_min_max_product(mode, dtype, op):
+    test_allreduce(mode, dtype, op)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_allreduce_scaling_and_grouped(mode):
+    r, n = hvd.rank(), hvd.size()
+    xs = [data(("sc", mode), j, (4,), np.float32) for j in range(n)]
+    ys = [data(("sc2", mode), j, (2, 2), np.float32) for j in range(n)]
+    got = run(mode, lambda a, b: [hvd.allreduce(a, op=hvd.Sum, prescale_factor=2.0, postscale_factor=0.5),
+                                  *hvd.grouped_allreduce([a, b], op=hvd.Sum)], xs[r], ys[r])
+    np.testing.assert_allclose(got[0], sum(xs), rtol=1e-6)
+    np.testing.assert_allclose(got[1], sum(xs), rtol=1e-6)
+    np.testing.assert_allclose(got[2], sum(ys), rtol=1e-6)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", GATHER_DTYPES, ids=lambda d: np.dtype(d).name)
+def test_allgather_variable_rows(mode, dtype):
+    r, n = hvd.rank(), hvd.size()
+    xs = [data(("ag", mode, np.dtype(dtype).name), j, (j + 1, 3), dtype) for j in range(n)]
+    got = run(mode, lambda t: hvd.allgather(t), xs[r])
+    np.testing.assert_array_equal(got, np.concatenate(xs))
+    got = run(mode, lambda a, b: hvd.grouped_allgather([a, b]), xs[r], xs[r][:, :1])
+    np.testing.assert_array_equal(got[1], np.concatenate([x[:, :1] for x in xs]))
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", GATHER_DTYPES, ids=lambda d: np.dtype(d).name)
+def test_broadcast(mode, dtype):
+    r, n = hvd.rank(), hvd.size()
+    xs = [data(("bc", mode, np.dtype(dtype).name), j, (2, 3), dtype) for j in range(n)]
+    for root in range(n):
+        np.testing.assert_array_equal(run(mode, lambda t, root=root: hvd.broadcast(t, root), xs[r]), xs[root])
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_alltoall_and_reducescatter(mode):
+    r, n = hvd.rank(), hvd.size()
+    xs = [data(("a2a", mode), j, (2 * n, 2), np.int32) for j in range(n)]
+    got = run(mode, lambda t: hvd.alltoall(t), xs[r])
+    np.testing.assert_array_equal(got, np.concatenate([x[2 * r:2 * r + 2] for x in xs]))
+    splits = np.array([1 + (j % 2) for j in range(n)], np.int32)
+    ys = [data(("a2as", mode), j, (int(splits.sum()) + 1, 2), np.float32) for j in range(n)]
+    out, recv = run(mode, lambda t, s: hvd.alltoall(t, splits=s), ys[r], splits)
+    off = int(splits[:r].sum())
+    np.testing.assert_array_equal(out, np.concatenate([y[off:off + splits[r]] for y in ys]))
+    np.testing.assert_array_equal(recv, [splits[r]] * n)
+    zs = [data(("rs", mode), j, (2 * n + 1, 3), np.float32) for j in range(n)]
+    rows = reducescatter_rows(2 * n + 1, n)
+    start = sum(rows[:r])
+    got = run(mode, lambda t: hvd.reducescatter(t, op=hvd.Sum), zs[r])
+    np.testing.assert_allclose(got, sum(zs)[start:start + rows[r]], rtol=1e-6)
+    got = run(mode, lambda a: hvd.grouped_reducescatter([a, a * 2], op=hvd.Average), zs[r])
+    np.testing.assert_allclose(got[1], (2 * sum(zs) / n)[start:start + rows[r]], rtol=1e-5)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_process_sets(mode):
+    """Collectives on a dynamic set of the even ranks (the driver sets HOROVOD_DYNAMIC_PROCESS_SETS=1)."""
+    r, n = hvd.rank(), hvd.size()
+    even = [j for j in range(n) if j % 2 == 0] if n > 2 else [0]
+    ps = hvd.add_process_set(even)
+    try:
+        if r in even:
+            xs = [data(("ps", mode), j, (4,), np.float32) for j in range(n)]
+            # named: unnamed eager ops are numbered per process, and non-members skip these calls
+            got = run(mode, lambda t: [hvd.allreduce(t, op=hvd.Sum, process_set=ps, name=f"ps_ar_{mode}"),
+                                       hvd.allgather(t, process_set=ps, name=f"ps_ag_{mode}"),
+                                       hvd.broadcast(t, even[-1], process_set=ps, name=f"ps_bc_{mode}")], xs[r])
+            np.testing.assert_allclose(got[0], sum(xs[j] for j in even), rtol=1e-6)
+            np.testing.assert_array_equal(got[1], np.concatenate([xs[j] for j in even]))
+            np.testing.assert_array_equal(got[2], xs[even[-1]])
+        else:
+            with pytest.raises(tf.errors.InvalidArgumentError, match="not a member of the provided process set"):
+                hvd.allreduce(tf.ones([1]), process_set=ps)
+    finally:
+        hvd.remove_process_set(ps)
+
+
+def test_fp16_compression_and_indexed_slices():
+    r, n = hvd.rank(), hvd.size()
+    x = tf.constant(np.full(4, r + 1.0, np.float32))
+    out = hvd.allreduce(x, compression=hvd.Compression.fp16, op=hvd.Sum)
+    assert out.dtype == tf.float32
+    np.testing.assert_allclose(out.numpy(), np.full(4, n * (n + 1) / 2))
+    s = tf.IndexedSlices(tf.constant([[float(r)]]), tf.constant([r]), dense_shape=tf.constant([n, 1]))
+    red = hvd.allreduce(s, op=hvd.Average)
+    assert isinstance(red, tf.IndexedSlices)
+    np.testing.assert_allclose(red.values.numpy()[:, 0], np.arange(n) / n)
+    np.testing.assert_array_equal(red.indices.numpy(), np.arange(n))
+
+
+@pytest.mark.parametrize("mode", ["eager", "function"])
+def test_gradients(mode):
+    r, n = hvd.rank(), hvd.size()
+    x = tf.Variable(np.arange(3, dtype=np.float32) + r)
+
+    def grads():
+        with tf.GradientTape() as tape:
+            y = tf.reduce_sum(hvd.allreduce(x, op=hvd.Sum) * 2.0) + tf.reduce_sum(hvd.allgather(x) ** 2) \
+                + tf.reduce_sum(hvd.broadcast(x, 0) * 3.0)
+        return tape.gradient(y, x)
+
+    g = (tf.function(grads)() if mode == "function" else grads()).numpy()
+    # d/dx allreduce_sum: Sum-allreduce of upstream grad (2*n); allgather: averaged 2*concat, own rows;
+    # broadcast: averaged grad on the root, zeros elsewhere.
+    xs = [np.arange(3, dtype=np.float32) + j for j in range(n)]
+    gather = 2 * np.concatenate(xs)[3 * r:3 * r + 3]
+    exp = np.full(3, 2.0 * n) + gather + (3.0 if r == 0 else 0.0)
+    np.testing.assert_allclose(g, exp, rtol=1e-6)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_graph_independent_ops_any_order(threads):
+    """Two independent allreduces whose inputs arrive in opposite orders on the two ranks."""
+    r = hvd.rank()
+
+    def slow(v):
+        time.sleep(0.2)
+        return v
+
+    def build(a, b):
+        if r % 2 == 0:
+            b = tf.numpy_function(slow, [b], tf.float32)
+        else:
+            a = tf.numpy_function(slow, [a], tf.float32)
+        return hvd.allreduce(a, op=hvd.Sum, name="indep_a"), hvd.allreduce(b, op=hvd.Sum, name="indep_b")
+
+    n = hvd.size()
+    with tf.Graph().as_default() as g:
+        a = tf.compat.v1.placeholder(tf.float32, [2])
+        b = tf.compat.v1.placeholder(tf.float32, [2])
+        outs = build(a, b)
+        cfg = tf.compat.v1.ConfigProto(inter_op_parallelism_threads=threads, intra_op_parallelism_threads=1)
+        with tf.compat.v1.Session(graph=g, config=cfg) as s:
+            got = s.run(outs, {a: np.ones(2), b: np.full(2, 2.0)})
+    np.testing.assert_allclose(got[0], n)
+    np.testing.assert_allclose(got[1], 2 * n)
+    got = tf.function(build)(tf.ones(2), tf.fill([2], 2.0))
+    np.testing.assert_allclose(got[1].numpy(), 2 * n)
+
+
+def test_broadcast_variables_and_objects():
+    r = hvd.rank()
+    v = [tf.Variable(np.full(3, r, np.float32)), tf.Variable(r)]
+    hvd.broadcast_variables(v, root_rank=0)
+    assert v[0].numpy().tolist() == [0, 0, 0] and int(v[1].numpy()) == 0
+    obj = hvd.broadcast_object({"rank": r, "x": [1, 2]}, root_rank=0)
+    assert obj == {"rank": 0, "x": [1, 2]}
+    assert hvd.allgather_object(r) == list(range(hvd.size()))
+    w = tf.Variable(np.full(2, r + 5.0, np.float32))
+    hvd.broadcast_(w, 0)
+    assert w.numpy().tolist() == [5.0, 5.0]
+    with tf.Graph().as_default():
+        tf.compat.v1.Variable(np.full(2, float(r)), name="gv")
+        op = hvd.broadcast_global_variables(0)
+        with tf.compat.v1.Session() as s:
+            s.run(tf.compat.v1.global_variables_initializer())
+            s.run(op)
+            assert s.run(tf.compat.v1.global_variables()[0]).tolist() == [0.0, 0.0]
+    with pytest.raises(RuntimeError):
+        hvd.broadcast_global_variables(0)
+
+
+def test_join_returns_last_rank():
+    last = hvd.join()
+    assert 0 <= int(last) < hvd.size()
+
+
+# ------------------------------------------------------------------------------------------------ errors
+def test_mismatch_is_failed_precondition():
+    r = hvd.rank()
+    with pytest.raises(tf.errors.FailedPreconditionError, match="Mismatched ALLREDUCE tensor shapes"):
+        hvd.allreduce(tf.ones([r + 1]), name="err_shape")
+    with pytest.raises(tf.errors.FailedPreconditionError, match="Mismatched data types"):
+        hvd.allreduce(tf.ones([2], dtype=tf.float32 if r == 0 else tf.int32), name="err_dtype")
+
+
+def test_mismatch_in_graph_mode_keeps_message():
+    r = hvd.rank()
+    with pytest.raises(tf.errors.OpError, match="Mismatched ALLREDUCE tensor shapes"):
+        tf.function(lambda: hvd.allreduce(tf.ones([r + 1]), name="err_shape_fn"))()
+
+
+def test_bad_arguments_are_invalid_argument():
+    n = hvd.size()
+    with pytest.raises(tf.errors.InvalidArgumentError, match="first dimension of tensor is not an even multiple"):
+        hvd.alltoall(tf.ones([n + 1]) if n > 1 else tf.ones([]))
+    with pytest.raises(tf.errors.InvalidArgumentError, match="invalid root rank"):
+        hvd.broadcast(tf.ones([1]), root_rank=n)
+    with pytest.raises(NotImplementedError):
+        hvd.allreduce(tf.IndexedSlices(tf.ones([1, 1]), tf.constant([0])), op=hvd.Max)

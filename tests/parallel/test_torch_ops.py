@@ -1,7 +1,8 @@
-"""horovod.torch collectives against numpy, on every rank in lockstep (run under horovodrun, any size).
+"""horovod.torch collectives against numpy, and their gradients, on every rank in lockstep (any size).
 
-Every op × dtype × sync/async/in-place × process set (global, and the even ranks added dynamically).
-Data are small integers, so sums and products are exact in every dtype, bfloat16 included.
+Every op × dtype × process set (global, and the even ranks added dynamically), and sync/async/in-place
+variants for a few dtypes each.  Data are small integers, so sums and products are exact in every dtype,
+bfloat16 included.  Gradients are checked against upstream's analytic formulas (see the autograd section).
 """
 
 import numpy as np
@@ -70,10 +71,15 @@ def skip_if_not_member(ps):
         pytest.skip("not a member of this process set")
 
 
+MODES = ["sync", "async", "inplace", "inplace_async"]
+# every dtype × op synchronously; every mode for a few dtypes (the mode logic does not depend on the dtype)
+ALLREDUCE_CASES = ([("sync", op, dt) for op in OPS for dt in REDUCE_DTYPES] +
+                   [(m, op, dt) for m in MODES[1:] for op in ("sum", "average")
+                    for dt in (torch.int32, torch.bfloat16, torch.float32)])
+
+
 @pytest.mark.parametrize("set_name", list(SETS))
-@pytest.mark.parametrize("mode", ["sync", "async", "inplace", "inplace_async"])
-@pytest.mark.parametrize("op_name", list(OPS))
-@pytest.mark.parametrize("dtype", REDUCE_DTYPES, ids=str)
+@pytest.mark.parametrize("mode,op_name,dtype", ALLREDUCE_CASES, ids=str)
 def test_allreduce(set_name, mode, op_name, dtype, nid):
     ps, op = SETS[set_name], OPS[op_name]
     skip_if_not_member(ps)
@@ -143,8 +149,8 @@ def test_allgather(set_name, mode, dtype, nid):
 
 
 @pytest.mark.parametrize("set_name", list(SETS))
-@pytest.mark.parametrize("mode", ["sync", "async", "inplace", "inplace_async"])
-@pytest.mark.parametrize("dtype", MOVE_DTYPES, ids=str)
+@pytest.mark.parametrize("mode,dtype", [("sync", dt) for dt in MOVE_DTYPES] +
+                         [(m, dt) for m in MODES[1:] for dt in (torch.bool, torch.float16, torch.int64)], ids=str)
 def test_broadcast(set_name, mode, dtype, nid):
     ps = SETS[set_name]
     skip_if_not_member(ps)
@@ -199,8 +205,8 @@ def test_alltoall_async_returns_splits():
 
 @pytest.mark.parametrize("set_name", list(SETS))
 @pytest.mark.parametrize("op_name", ["sum", "average"])
-@pytest.mark.parametrize("mode", ["sync", "async", "grouped"])
-@pytest.mark.parametrize("dtype", REDUCE_DTYPES, ids=str)
+@pytest.mark.parametrize("mode,dtype", [("sync", dt) for dt in REDUCE_DTYPES] +
+                         [(m, torch.float32) for m in ("async", "grouped")], ids=str)
 def test_reducescatter(set_name, op_name, mode, dtype, nid):
     ps, op = SETS[set_name], OPS[op_name]
     skip_if_not_member(ps)
@@ -302,3 +308,113 @@ def test_mismatched_shapes_fail_on_every_rank():
     with pytest.raises(HorovodInternalError, match="Mismatched"):
         hvd.allreduce(torch.ones(RANK + 1), name="mismatch")
     assert hvd.allreduce(torch.ones(1), op=hvd.Sum).item() == SIZE  # the job goes on
+
+
+# ---------------------------------------------------------------------- autograd
+# Each rank computes ``loss = sum(op(x) * w_rank)`` with known per-rank weights; the expected ``x.grad``
+# follows upstream's gradient definitions.
+
+
+def w_of(rank: int, shape) -> torch.Tensor:
+    return torch.randn(shape, generator=torch.Generator().manual_seed(77 + rank), dtype=torch.float64)
+
+
+def x_of(rank: int, shape) -> torch.Tensor:
+    return torch.randn(shape, generator=torch.Generator().manual_seed(5 + rank),
+                       dtype=torch.float64).requires_grad_()
+
+
+def mean_w(shape) -> torch.Tensor:
+    return sum(w_of(r, shape) for r in range(SIZE)) / SIZE
+
+
+@pytest.mark.parametrize("op", [hvd.Average, hvd.Sum])
+def test_allreduce_grad(op):
+    x = x_of(RANK, (3, 2))
+    y = hvd.allreduce(x, op=op, prescale_factor=0.5, postscale_factor=3.0)
+    (y * w_of(RANK, (3, 2))).sum().backward()
+    total = sum(w_of(r, (3, 2)) for r in range(SIZE))
+    expected = (total / SIZE if op == hvd.Average else total) * 0.5 * 3.0
+    assert torch.allclose(x.grad, expected)
+
+
+def test_allreduce_value_grad_with_compression():
+    x = x_of(RANK, (4,)).float().detach().requires_grad_()
+    y = hvd.allreduce(x, compression=hvd.Compression.fp16)
+    assert y.dtype == torch.float32
+    (y * w_of(RANK, (4,)).float()).sum().backward()
+    assert torch.allclose(x.grad, mean_w((4,)).float(), atol=2e-3)
+
+
+def test_grouped_allreduce_grad():
+    xs = [x_of(RANK, (2,)), x_of(RANK + 10, (3, 1))]
+    ys = hvd.grouped_allreduce(xs)
+    (ys[0] * w_of(RANK, (2,))).sum().add((ys[1] * w_of(RANK, (3, 1))).sum()).backward()
+    assert torch.allclose(xs[0].grad, mean_w((2,)))
+    assert torch.allclose(xs[1].grad, mean_w((3, 1)))
+
+
+def test_allgather_grad():
+    rows = [r + 1 for r in range(SIZE)]
+    x = x_of(RANK, (rows[RANK], 2))
+    y = hvd.allgather(x)
+    w = [w_of(r, (sum(rows), 2)) for r in range(SIZE)]
+    (y * w[RANK]).sum().backward()
+    start = sum(rows[:RANK])
+    expected = (sum(w) / SIZE)[start:start + rows[RANK]]  # upstream: averaged, then this rank's rows
+    assert torch.allclose(x.grad, expected)
+
+
+def test_grouped_allgather_grad():
+    x = x_of(RANK, (2, 2))
+    (y,) = hvd.grouped_allgather([x])
+    (y * w_of(RANK, (2 * SIZE, 2))).sum().backward()
+    assert torch.allclose(x.grad, mean_w((2 * SIZE, 2))[2 * RANK:2 * RANK + 2])
+
+
+@pytest.mark.parametrize("root", [0, SIZE - 1])
+def test_broadcast_grad(root):
+    x = x_of(RANK, (3,))
+    y = hvd.broadcast(x, root)
+    assert torch.allclose(y, x_of(root, (3,)))
+    (y * w_of(RANK, (3,))).sum().backward()
+    expected = mean_w((3,)) if RANK == root else torch.zeros(3, dtype=torch.float64)
+    assert torch.allclose(x.grad, expected)
+
+
+@pytest.mark.parametrize("with_splits", [False, True])
+def test_alltoall_grad(with_splits):
+    def splits_of(r):
+        return [j + r + 1 for j in range(SIZE)] if with_splits else [1] * SIZE
+
+    x = x_of(RANK, (sum(splits_of(RANK)), 2))
+    if with_splits:
+        y, received = hvd.alltoall(x, splits=splits_of(RANK))
+    else:
+        y = hvd.alltoall(x)
+    recv = [splits_of(i)[RANK] for i in range(SIZE)]
+    (y * w_of(RANK, (sum(recv), 2))).sum().backward()
+    # rows x[block j] went to rank j, where they sit after the rows of ranks < RANK
+    parts = []
+    for j in range(SIZE):
+        recv_j = [splits_of(i)[j] for i in range(SIZE)]
+        start = sum(recv_j[:RANK])
+        parts.append(w_of(j, (sum(recv_j), 2))[start:start + splits_of(RANK)[j]])
+    assert torch.allclose(x.grad, torch.cat(parts))
+
+
+@pytest.mark.parametrize("op", [hvd.Average, hvd.Sum])
+def test_reducescatter_grad(op):
+    x = x_of(RANK, (2 * SIZE, 3))
+    y = hvd.reducescatter(x, op=op, prescale_factor=2.0)
+    (y * w_of(RANK, (2, 3))).sum().backward()
+    gathered = torch.cat([w_of(r, (2, 3)) for r in range(SIZE)])
+    expected = gathered * 2.0 * (SIZE if op == hvd.Sum else 1)  # upstream: ×size for Sum, ×factors
+    assert torch.allclose(x.grad, expected)
+
+
+def test_grouped_reducescatter_grad():
+    x = x_of(RANK, (SIZE, 2))
+    (y,) = hvd.grouped_reducescatter([x], op=hvd.Sum)
+    (y * w_of(RANK, (1, 2))).sum().backward()
+    assert torch.allclose(x.grad, torch.cat([w_of(r, (1, 2)) for r in range(SIZE)]) * SIZE)

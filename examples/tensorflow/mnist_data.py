@@ -4,6 +4,7 @@ generated, learnable 28x28 "digits" (a class-specific pattern plus noise) so the
 from __future__ import annotations
 
 import logging
+import os
 import socket
 
 import numpy as np
@@ -11,7 +12,7 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 
-def load_mnist(offline_samples: int = 6000, seed: int = 0):
+def load_mnist(offline_samples: int = int(os.environ.get("MNIST_OFFLINE_SAMPLES", 6000)), seed: int = 0):
     """Return ``(x_train, y_train), (x_test, y_test)`` as uint8 images [N, 28, 28] and int64 labels."""
     old = socket.getdefaulttimeout()
     socket.setdefaulttimeout(5)

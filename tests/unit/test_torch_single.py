@@ -152,6 +152,4 @@ def test_np1_bit_identical_with_and_without_horovod():
 
 
 def test_elastic_is_importable():
-    assert hvd.elastic is not None
-    with pytest.raises(NotImplementedError):
-        hvd.elastic.run(lambda state: None)
+    assert all(hasattr(hvd.elastic, name) for name in ("run", "TorchState", "ElasticSampler"))

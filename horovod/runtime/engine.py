@@ -98,6 +98,7 @@ class Engine:
         self._cache_keys: dict[tuple[int, int], tuple[int, str]] = {}
         self._seq = 0  # response frames received
         self._cycle = max(0.0, config.cycle_time_ms) / 1000.0
+        self._outstanding = 0  # tensors sent to the coordinator whose responses have not run yet
         self._todo: list[Response] = []
         self._shutdown_requested: str | None = None
         self._shutdown_sent_at: float | None = None
@@ -175,7 +176,7 @@ class Engine:
                         self._on_frame(key.data, sel)
                     else:
                         woken = True
-                if woken:
+                if woken and self._outstanding:  # busy: let tensors arriving together leave together
                     self.queue.gather_window(self._cycle)
                 self._send_local_requests()
                 if self.coordinator is not None:
@@ -236,6 +237,7 @@ class Engine:
             self._shutdown_sent_at = time.monotonic()
         if not new and shutdown is None:
             return
+        self._outstanding += len(new)
         full: list[Request] = []
         cached: list[tuple[int, int, int, int]] = []
         blobs: list = []
@@ -309,6 +311,7 @@ class Engine:
                 self._stop_reason = f"rank {self.rank}: collective failed: {e}"
                 self._notify_shutdown(self._stop_reason)
                 return
+            self._outstanding -= sum(1 for e in entries if e is not None)
             for cid, entry in zip(resp.cache_ids, entries):
                 if cid >= 0 and entry is not None:
                     key = (resp.process_set_id, entry.request.name)

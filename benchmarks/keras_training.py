@@ -1,0 +1,127 @@
+"""Keras training throughput with horovod.tensorflow.keras: np=2 vs 2 x one process (scaling efficiency).
+
+A synthetic CNN of about 5 M parameters (the same shape as benchmarks/torch_training.py) trained with
+``model.fit`` on synthetic 32x32 images, one TensorFlow thread per process (intra- and inter-op), batch
+``--batch`` per rank, ``hvd.DistributedOptimizer`` reducing ~20 MB of gradients per step.  Single-process and
+np=2 runs alternate ``--rounds`` times (shared machines drift); the table reports the median samples/s of
+each and ``efficiency = np2 / (2 * single)``.
+
+    python benchmarks/keras_training.py                # prints a table and a JSON line
+    python benchmarks/keras_training.py --batch 32 --steps 30 --rounds 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+RESULT = "RESULT "
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def build_model(keras):
+    """~5.1 M parameters: four 3x3 conv layers on 32x32x3 images and two dense layers."""
+    layers = keras.layers
+    return keras.Sequential([
+        keras.Input((32, 32, 3)),
+        layers.Conv2D(32, 3, padding="same", activation="relu"),
+        layers.Conv2D(64, 3, padding="same", activation="relu"), layers.MaxPooling2D(),
+        layers.Conv2D(128, 3, padding="same", activation="relu"), layers.MaxPooling2D(),
+        layers.Conv2D(256, 3, padding="same", activation="relu"), layers.MaxPooling2D(),
+        layers.Flatten(), layers.Dense(1152, activation="relu"), layers.Dense(10),
+    ])
+
+
+def worker(args) -> None:
+    import tensorflow as tf
+
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    tf.config.threading.set_inter_op_parallelism_threads(1)
+    import keras
+    import numpy as np
+
+    import horovod.tensorflow.keras as hvd
+
+    hvd.init()
+    keras.utils.set_random_seed(0)
+    model = build_model(keras)
+    params = model.count_params()
+    opt = keras.optimizers.SGD(0.01)
+    if hvd.size() > 1:
+        opt = hvd.DistributedOptimizer(opt, compression=hvd.Compression.fp16 if args.fp16 else hvd.Compression.none)
+    model.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    rng = np.random.default_rng(hvd.rank())
+    x = rng.normal(size=(args.batch * 4, 32, 32, 3)).astype(np.float32)
+    y = rng.integers(0, 10, size=args.batch * 4)
+    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(args.batch).repeat()
+
+    times: list[float] = []
+
+    class Timer(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            self.t = time.perf_counter()
+
+        def on_train_batch_end(self, batch, logs=None):
+            times.append(time.perf_counter() - self.t)
+
+    callbacks = [Timer()]
+    if hvd.size() > 1:
+        callbacks.insert(0, hvd.callbacks.BroadcastGlobalVariablesCallback(0))
+    model.fit(data, steps_per_epoch=args.warmup + args.steps, epochs=1, verbose=0, callbacks=callbacks)
+    step = statistics.median(times[args.warmup:])
+    if hvd.rank() == 0:
+        print(RESULT + json.dumps({"np": hvd.size(), "params": params, "step_s": step,
+                                   "samples_per_s": hvd.size() * args.batch / step}), flush=True)
+
+
+def launch(np_: int, args) -> dict:
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--batch", str(args.batch), "--steps",
+           str(args.steps), "--warmup", str(args.warmup)] + (["--fp16"] if args.fp16 else [])
+    if np_ > 1:
+        cmd = [sys.executable, "-m", "horovod.runner", "-np", str(np_)] + cmd
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HOROVOD_")}
+    env.update(PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
+    for line in out.stdout.splitlines():
+        if RESULT in line:
+            return json.loads(line.split(RESULT, 1)[1])
+    raise RuntimeError(f"np={np_} run failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--np", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=32, help="samples per rank per step")
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--fp16", action="store_true", help="fp16 gradient compression")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args)
+        return
+    single, multi = [], []
+    for _ in range(args.rounds):
+        single.append(launch(1, args))
+        multi.append(launch(args.np, args))
+    s = statistics.median(r["samples_per_s"] for r in single)
+    m = statistics.median(r["samples_per_s"] for r in multi)
+    eff = m / (args.np * s)
+    print(f"Keras fit, ~{single[0]['params'] / 1e6:.1f} M params, batch {args.batch}/rank, 1 thread/process")
+    print(f"{'run':<12}{'samples/s':>12}{'step ms':>10}")
+    print(f"{'np=1':<12}{s:>12.1f}{statistics.median(r['step_s'] for r in single) * 1e3:>10.1f}")
+    print(f"{f'np={args.np}':<12}{m:>12.1f}{statistics.median(r['step_s'] for r in multi) * 1e3:>10.1f}")
+    print(f"scaling efficiency np={args.np} / ({args.np} x np=1): {eff:.3f}")
+    print(json.dumps({"benchmark": "keras_training", "np": args.np, "batch": args.batch, "fp16": args.fp16,
+                      "single_samples_per_s": s, "np_samples_per_s": m, "efficiency": eff,
+                      "params": single[0]["params"]}))
+
+
+if __name__ == "__main__":
+    main()

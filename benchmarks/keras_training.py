@@ -2,12 +2,18 @@
 
 A synthetic CNN of about 5 M parameters (the same shape as benchmarks/torch_training.py) trained with
 ``model.fit`` on synthetic 32x32 images, one TensorFlow thread per process (intra- and inter-op), batch
-``--batch`` per rank, ``hvd.DistributedOptimizer`` reducing ~20 MB of gradients per step.  Single-process and
-np=2 runs alternate ``--rounds`` times (shared machines drift); the table reports the median samples/s of
-each and ``efficiency = np2 / (2 * single)``.
+``--batch`` per rank, ``hvd.DistributedOptimizer`` reducing ~20 MB of gradients per step.
+
+Default (paired): one ``horovodrun -np 2`` launch; every rank holds two copies of the model, one compiled
+with the plain optimizer (the single-process contender) and one with ``hvd.DistributedOptimizer``, and
+alternates ``fit`` calls of ``--block`` steps between them.  Both contenders therefore run under the same
+machine load (on a shared 2-core host separate launches a minute apart differed by 2x), and the local one
+runs while the other rank computes too, as a single process would next to other work.
+``efficiency = np2 samples/s / (2 x single samples/s) = local step time / distributed step time`` (medians).
+``--separate`` launches np=1 and np=2 jobs alternately instead.
 
     python benchmarks/keras_training.py                # prints a table and a JSON line
-    python benchmarks/keras_training.py --batch 32 --steps 30 --rounds 2
+    python benchmarks/keras_training.py --batch 32 --rounds 4 --block 5
 """
 
 from __future__ import annotations
@@ -49,6 +55,8 @@ def worker(args) -> None:
 
     hvd.init()
     keras.utils.set_random_seed(0)
+    if args.paired:
+        return paired_worker(args, tf, keras, np, hvd)
     model = build_model(keras)
     params = model.count_params()
     opt = keras.optimizers.SGD(0.01)
@@ -79,9 +87,53 @@ def worker(args) -> None:
                                    "samples_per_s": hvd.size() * args.batch / step}), flush=True)
 
 
-def launch(np_: int, args) -> dict:
+def paired_worker(args, tf, keras, np, hvd) -> None:
+    """Alternate fit blocks of a local and a distributed copy of the model in the same processes."""
+    rng = np.random.default_rng(hvd.rank())
+    x = rng.normal(size=(args.batch * 4, 32, 32, 3)).astype(np.float32)
+    y = rng.integers(0, 10, size=args.batch * 4)
+    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(args.batch).repeat()
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    local, dist = build_model(keras), build_model(keras)
+    local.compile(optimizer=keras.optimizers.SGD(0.01), loss=loss)
+    compression = hvd.Compression.fp16 if args.fp16 else hvd.Compression.none
+    dist.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.01), compression=compression),
+                 loss=loss)
+    times: dict[str, list[float]] = {"local": [], "dist": []}
+
+    class Timer(keras.callbacks.Callback):
+        def __init__(self, key):
+            super().__init__()
+            self.key = key
+
+        def on_train_batch_begin(self, batch, logs=None):
+            self.t = time.perf_counter()
+
+        def on_train_batch_end(self, batch, logs=None):
+            if batch > 0:  # the first step of a block pays fit's set-up
+                times[self.key].append(time.perf_counter() - self.t)
+
+    local.fit(data, steps_per_epoch=args.warmup, epochs=1, verbose=0)
+    dist.fit(data, steps_per_epoch=args.warmup, epochs=1, verbose=0,
+             callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)])
+    for _ in range(args.rounds):
+        local.fit(data, steps_per_epoch=args.block + 1, epochs=1, verbose=0, callbacks=[Timer("local")])
+        hvd.allreduce(np.zeros(1), name="bench.sync")  # start the distributed block together
+        dist.fit(data, steps_per_epoch=args.block + 1, epochs=1, verbose=0, callbacks=[Timer("dist")])
+    step_local = statistics.median(times["local"])
+    step_dist = statistics.median(times["dist"])
+    if hvd.rank() == 0:
+        print(RESULT + json.dumps({"np": hvd.size(), "params": local.count_params(), "batch": args.batch,
+                                   "local_step_s": step_local, "dist_step_s": step_dist,
+                                   "single_samples_per_s": args.batch / step_local,
+                                   "np_samples_per_s": hvd.size() * args.batch / step_dist,
+                                   "efficiency": step_local / step_dist}), flush=True)
+
+
+def launch(np_: int, args, paired: bool = False) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--batch", str(args.batch), "--steps",
-           str(args.steps), "--warmup", str(args.warmup)] + (["--fp16"] if args.fp16 else [])
+           str(args.steps), "--warmup", str(args.warmup), "--rounds", str(args.rounds), "--block",
+           str(args.block)] + (["--fp16"] if args.fp16 else []) + (["--paired"] if paired else [])
     if np_ > 1:
         cmd = [sys.executable, "-m", "horovod.runner", "-np", str(np_)] + cmd
     env = {k: v for k, v in os.environ.items() if not k.startswith("HOROVOD_")}
@@ -99,12 +151,25 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32, help="samples per rank per step")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=2, help="alternations (paired: of fit blocks)")
+    parser.add_argument("--block", type=int, default=5, help="paired: timed steps per fit block")
+    parser.add_argument("--separate", action="store_true", help="separate np=1 and np=N launches")
+    parser.add_argument("--paired", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--fp16", action="store_true", help="fp16 gradient compression")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         worker(args)
+        return
+    if not args.separate:
+        r = launch(args.np, args, paired=True)
+        print(f"Keras fit, ~{r['params'] / 1e6:.1f} M params, batch {args.batch}/rank, 1 thread/process, paired")
+        print(f"{'contender':<28}{'samples/s':>12}{'step ms':>10}")
+        print(f"{'2 x single process':<28}{2 * r['single_samples_per_s']:>12.1f}{r['local_step_s'] * 1e3:>10.1f}")
+        print(f"{f'np={args.np} DistributedOptimizer':<28}{r['np_samples_per_s']:>12.1f}"
+              f"{r['dist_step_s'] * 1e3:>10.1f}")
+        print(f"scaling efficiency: {r['efficiency']:.3f}")
+        print(json.dumps({"benchmark": "keras_training", "mode": "paired", "fp16": args.fp16, **r}))
         return
     single, multi = [], []
     for _ in range(args.rounds):

@@ -294,6 +294,8 @@ class Engine:
             if resp.type == RequestType.ERROR and resp.process_set_id == -1:
                 self._stop_reason = resp.error  # the coordinator's shutdown notice
                 break
+            if resp.type in (RequestType.ADD_PROCESS_SET, RequestType.REMOVE_PROCESS_SET) and resp.payload:
+                self._forget_cache(resp.payload[0])  # set ids are reused: the old set's cache ids are void
             if resp.type == RequestType.ADD_PROCESS_SET and resp.payload:
                 with self._sets_lock:
                     self.process_sets[resp.payload[0]] = list(resp.payload[1:])
@@ -317,6 +319,12 @@ class Engine:
                     key = (resp.process_set_id, entry.request.name)
                     self._cache[key] = (cid, entry.request.signature())
                     self._cache_keys[(resp.process_set_id, cid)] = key
+
+    def _forget_cache(self, set_id: int) -> None:
+        for key in [k for k in self._cache if k[0] == set_id]:
+            del self._cache[key]
+        for key in [k for k in self._cache_keys if k[0] == set_id]:
+            del self._cache_keys[key]
 
     def _evict(self, evicted: list[tuple[int, int]]) -> None:
         for ps, cid in evicted:

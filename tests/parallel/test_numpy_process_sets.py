@@ -217,3 +217,27 @@ def test_many_dynamic_sets_in_sequence():
             np.testing.assert_array_equal(out, np.full(2, float(len(members))))
         assert hvd.remove_process_set(ps)
     hvd.barrier()
+
+
+def test_reused_set_id_does_not_reuse_the_old_sets_cache():
+    """A removed set's id comes back for the next set; cached tensor names of the old set must not leak."""
+    from horovod.common.basics import _get_process_set_ids_and_ranks
+
+    size = hvd.size()
+    registered = list(_get_process_set_ids_and_ranks().values())
+    candidates = [sorted({0, size - 1}), [0], [size - 1], [1], [0, 1]]
+    free = [m for m in candidates if m not in registered]
+    if not free:
+        pytest.skip("every candidate set is already registered")
+    members = free[0]
+    ids = []
+    for _round in range(3):
+        ps = hvd.add_process_set(members)
+        ids.append(ps.process_set_id)
+        if hvd.rank() in members:
+            for _ in range(3):  # the 2nd and 3rd calls are cache hits
+                out = hvd.allreduce(np.ones(3), op=hvd.Sum, process_set=ps, name="reused.name")
+                np.testing.assert_array_equal(out, np.full(3, float(len(members))))
+        assert hvd.remove_process_set(ps)
+    assert len(set(ids)) == 1  # the same id every round
+    hvd.barrier()

@@ -36,13 +36,14 @@ from horovod.common.basics import (
     stop_timeline,
 )
 from horovod.common.process_sets import global_process_set
-from horovod.keras import callbacks
+from horovod.keras import callbacks, elastic
 from horovod.tensorflow import SyncBatchNormalization, broadcast_variables
 from horovod.tensorflow.compression import Compression
 from horovod.tensorflow.keras import DistributedModel, PartialDistributedOptimizer
 from horovod.tensorflow.mpi_ops import Average, Sum
 
 __all__ = [
+    "elastic",
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "cross_rank",
     "cross_size", "is_homogeneous", "mpi_threads_supported", "mpi_enabled", "mpi_built", "gloo_enabled",
     "gloo_built", "nccl_built", "ddl_built", "ccl_built", "cuda_built", "rocm_built", "start_timeline",

@@ -44,10 +44,11 @@ from horovod.common.basics import (
 from horovod.common.process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
 from horovod.tensorflow import SyncBatchNormalization, broadcast_variables
 from horovod.tensorflow.compression import Compression
-from horovod.tensorflow.keras import callbacks
+from horovod.tensorflow.keras import callbacks, elastic
 from horovod.tensorflow.mpi_ops import Average, Sum
 
 __all__ = [
+    "elastic",
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "cross_rank",
     "cross_size", "is_homogeneous", "mpi_threads_supported", "mpi_enabled", "mpi_built", "gloo_enabled",
     "gloo_built", "nccl_built", "ddl_built", "ccl_built", "cuda_built", "rocm_built", "start_timeline",

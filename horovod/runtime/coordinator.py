@@ -154,7 +154,7 @@ class Coordinator:
         if data is not None:
             pending.data[rank] = data
         if self.timeline is not None:
-            self.timeline.negotiate_rank_ready(name, rank)
+            self.timeline.negotiate_rank_ready(name, rank, req.type)
         self._check_ready(state, name, pending)
 
     def _check_ready(self, state: _SetState, name: str, pending: _Pending) -> None:

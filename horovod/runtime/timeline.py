@@ -76,8 +76,11 @@ class Timeline:
         if self._active:
             self.begin(name, "NEGOTIATE_" + OP_DISPLAY.get(request_type, str(request_type)))
 
-    def negotiate_rank_ready(self, name: str, rank: int) -> None:
+    def negotiate_rank_ready(self, name: str, rank: int, request_type: int | None = None) -> None:
         if self._active:
+            if request_type is not None and not self._open.get(name):
+                # negotiation began before the timeline was switched on: open its bar now
+                self.begin(name, "NEGOTIATE_" + OP_DISPLAY.get(request_type, str(request_type)))
             self._emit({"ph": "X", "name": str(rank), "ts": self._ts(), "pid": self._pid(name), "dur": 0})
 
     def negotiate_end(self, name: str) -> None:

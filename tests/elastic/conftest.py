@@ -41,7 +41,8 @@ class ElasticJob:
     """One ``horovodrun`` elastic job in ``tmp``; ``stop()`` always leaves nothing running."""
 
     def __init__(self, tmp: Path, hosts: list[str], args: list[str], *, samples: int = 48, batch: int = 2,
-                 epochs: int = 2, sleep: float = 0.08, env: dict[str, str] | None = None) -> None:
+                 epochs: int = 2, sleep: float = 0.08, env: dict[str, str] | None = None,
+                 prefix: list[str] | None = None, worker: str = "worker_numpy.py") -> None:
         self.tmp = tmp
         self.out = tmp / "out"
         self.out.mkdir()
@@ -59,8 +60,9 @@ class ElasticJob:
                          "PYTHONPATH": str(REPO) + os.pathsep + full_env.get("PYTHONPATH", "")})
         full_env.update(env or {})
         self.log = open(tmp / "driver.log", "wb")
-        cmd = [sys.executable, "-m", "horovod.runner", *args, "--host-discovery-script", str(self.script),
-               sys.executable, str(HERE / "worker_numpy.py"), str(self.out)]
+        # ``prefix``: run the launcher through it, e.g. ``ip netns exec hvdh1`` (tests/multihost).
+        cmd = [*(prefix or []), sys.executable, "-m", "horovod.runner", *args,
+               "--host-discovery-script", str(self.script), sys.executable, str(HERE / worker), str(self.out)]
         self.proc = subprocess.Popen(cmd, env=full_env, stdout=self.log, stderr=subprocess.STDOUT,
                                      start_new_session=True, cwd=str(tmp))
 

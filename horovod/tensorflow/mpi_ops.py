@@ -18,6 +18,7 @@ from horovod.common import basics as _basics_mod
 from horovod.common import ops as _ops
 from horovod.common.basics import Adasum, Average, Max, Min, Product, Sum
 from horovod.common.process_sets import ProcessSet, global_process_set
+from horovod.tensorflow import _bridge
 from horovod.tensorflow._bridge import run_collective
 
 __all__ = [
@@ -66,6 +67,9 @@ def _grouped_allreduce_raw(tensors: Sequence[tf.Tensor], *, op: int, prescale_fa
                            postscale_factor: float, name: str | None, process_set: ProcessSet,
                            grouped: bool) -> list[tf.Tensor]:
     tensors = [tf.convert_to_tensor(t) for t in tensors]
+    if _direct_path(tensors):
+        return _flat_allreduce(tensors, op=op, prescale_factor=prescale_factor, postscale_factor=postscale_factor,
+                               name=name, process_set=process_set)
 
     def submit(arrays):
         if grouped:
@@ -79,6 +83,54 @@ def _grouped_allreduce_raw(tensors: Sequence[tf.Tensor], *, op: int, prescale_fa
     outs = run_collective(submit, tensors, [t.dtype for t in tensors], "HorovodAllreduce")
     for o, t in zip(outs, tensors):
         o.set_shape(t.shape)
+    return outs
+
+
+def _direct_path(tensors: list[tf.Tensor]) -> bool:
+    """Inside ``tf.function`` (queue receive), static shapes, one plain numeric dtype, not empty."""
+    if tf.executing_eagerly() or not _bridge._queue_path():
+        return False
+    dtype = tensors[0].dtype
+    if dtype not in _bridge._DIRECT_DTYPES or any(t.dtype != dtype for t in tensors):
+        return False
+    if not all(t.shape.is_fully_defined() for t in tensors) or sum(t.shape.num_elements() for t in tensors) == 0:
+        return False
+    return True
+
+
+def _flat_allreduce(tensors: list[tf.Tensor], *, op: int, prescale_factor: float, postscale_factor: float,
+                    name: str | None, process_set: ProcessSet) -> list[tf.Tensor]:
+    """Graph-mode (grouped) allreduce as *one* flat engine tensor reduced straight into TensorFlow memory.
+
+    TensorFlow concatenates the inputs (one fast copy on its own thread); the engine reduces that buffer
+    (single-tensor path: no fusion-buffer allocation, no copy in or out) into a 64-byte aligned numpy array,
+    which becomes a TF tensor through DLPack without a copy (:func:`_bridge.as_tf_tensor`) once the engine
+    is done, and goes through the receive queue as is; the per-tensor results are dim-0 slices of it
+    (TensorFlow shares the buffer for aligned slices) and reshapes.  Every rank builds the same graph, so
+    the single name negotiates as the group did."""
+    dtype = tensors[0].dtype
+    shapes = [t.shape for t in tensors]
+    sizes = [s.num_elements() for s in shapes]
+    total = sum(sizes)
+    flat_in = tf.reshape(tensors[0], [-1]) if len(tensors) == 1 else \
+        tf.concat([tf.reshape(t, [-1]) for t in tensors], 0)
+
+    def submit(arrays):
+        out = _bridge.aligned_empty(total, arrays[0].dtype)
+        h = _ops.allreduce(arrays[0], out, name=name, op=op, prescale_factor=prescale_factor,
+                           postscale_factor=postscale_factor, process_set=process_set)
+
+        def finish():
+            h.wait()
+            return [_bridge.as_tf_tensor(out)]
+        return finish
+
+    flat = run_collective(submit, [flat_in], [dtype], "HorovodAllreduce")[0]
+    flat.set_shape([total])
+    outs, offset = [], 0
+    for shape, n in zip(shapes, sizes):
+        outs.append(tf.reshape(flat[offset:offset + n], shape))
+        offset += n
     return outs
 
 

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import os
 import secrets
+
+from horovod.common.config import read_env
 
 __all__ = ["SECRET_KEY_ENV", "make_secret_key", "secret_key_from_env", "digest", "verify", "nonce"]
 
@@ -24,9 +25,12 @@ def make_secret_key() -> bytes:
 
 
 def secret_key_from_env() -> bytes | None:
-    """The job key from the environment, or None when running without a launcher."""
-    text = os.environ.get(SECRET_KEY_ENV)
-    return bytes.fromhex(text) if text else None
+    """The job key from the environment, or None when running without a launcher.
+
+    Raises:
+        ValueError: the variable is set but not hex (the text names it, never the value).
+    """
+    return read_env(SECRET_KEY_ENV)
 
 
 def nonce() -> bytes:

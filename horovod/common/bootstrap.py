@@ -12,7 +12,7 @@ import os
 import socket
 
 from horovod.common import auth
-from horovod.common.config import env_float
+from horovod.common.config import read_env, start_timeout
 from horovod.common.process_sets import ProcessSet
 from horovod.runtime.engine import Topology
 
@@ -21,23 +21,26 @@ __all__ = ["topology_from_env", "topology_from_mpi", "use_mpi", "mpi_job", "elas
 log = logging.getLogger(__name__)
 
 
-def _env_int(name: str, default: int) -> int:
-    text = os.environ.get(name)
-    return default if not text else int(text)
-
-
 def topology_from_env() -> Topology:
-    """The rank layout the launcher put in the environment (size 1 without a launcher)."""
-    return Topology(
-        rank=_env_int("HOROVOD_RANK", 0), size=_env_int("HOROVOD_SIZE", 1),
-        local_rank=_env_int("HOROVOD_LOCAL_RANK", 0), local_size=_env_int("HOROVOD_LOCAL_SIZE", 1),
-        cross_rank=_env_int("HOROVOD_CROSS_RANK", 0), cross_size=_env_int("HOROVOD_CROSS_SIZE", 1),
-        hostname=os.environ.get("HOROVOD_HOSTNAME") or socket.gethostname())
+    """The rank layout the launcher put in the environment (size 1 without a launcher).
+
+    Raises:
+        ValueError: a variable is not a whole number, or a rank is not below its size (the text names both).
+    """
+    layout = {}
+    for kind in ("", "LOCAL_", "CROSS_"):
+        rank_name, size_name = f"HOROVOD_{kind}RANK", f"HOROVOD_{kind}SIZE"
+        rank, size = read_env(rank_name), read_env(size_name)
+        if rank >= size:
+            raise ValueError(f"{rank_name}={rank} must be below {size_name}={size} (the launcher sets both; "
+                             "unset them to run a single process)")
+        layout[kind.lower() + "rank"], layout[kind.lower() + "size"] = rank, size
+    return Topology(**layout, hostname=read_env("HOROVOD_HOSTNAME") or socket.gethostname())
 
 
 def elastic_mesh():
     """Under the elastic driver (HOROVOD_ELASTIC=1), get rank and mesh from it: horovod/common/elastic_init.py."""
-    if os.environ.get("HOROVOD_ELASTIC") != "1" or not os.environ.get("HOROVOD_GLOO_RENDEZVOUS_ADDR"):
+    if not read_env("HOROVOD_ELASTIC") or not read_env("HOROVOD_GLOO_RENDEZVOUS_ADDR"):
         return None
     from horovod.common import elastic_init
 
@@ -48,7 +51,7 @@ def use_mpi(comm) -> bool:
     """MPI bootstraps the job: an mpi4py communicator was passed, or mpirun/srun started this process."""
     if comm is not None and not isinstance(comm, (list, tuple)):
         return True
-    if os.environ.get("HOROVOD_RANK") or (os.environ.get("HOROVOD_CONTROLLER") or "").lower() == "gloo":
+    if os.environ.get("HOROVOD_RANK") or read_env("HOROVOD_CONTROLLER") == "gloo":
         return False
     from horovod.transport.mpi import detect_launch
 
@@ -66,8 +69,8 @@ def mpi_job(comm):
                              "or use the default (built-in) controller.")
         raise ValueError(f"This process was started by {launch.kind} (rank {launch.rank} of {launch.size}) but "
                          "mpi4py is not installed: pip install mpi4py, or start the job with horovodrun.")
-    job = mpi_mod.mpi_job(comm, threads=os.environ.get("HOROVOD_MPI_THREADS_DISABLE", "0") in ("", "0"),
-                          iface=os.environ.get("HOROVOD_GLOO_IFACE") or None)
+    job = mpi_mod.mpi_job(comm, threads=not read_env("HOROVOD_MPI_THREADS_DISABLE"),
+                          iface=read_env("HOROVOD_GLOO_IFACE") or None)
     if job is None:
         raise ValueError(f"hvd.init(comm={comm}): this process is not one of the listed MPI_COMM_WORLD ranks; "
                          "only they may call init.")
@@ -107,7 +110,7 @@ def build_mesh(topology: Topology, sets: list[ProcessSet], scope: str, mpi=None)
     if mpi is not None:
         from horovod.transport.mpi import MpiStore
 
-        timeout = env_float("HOROVOD_START_TIMEOUT", 30.0)
+        timeout = start_timeout()
         mine = [ps.ranks for ps in sets]
         for r, theirs in enumerate(mpi.comm.allgather(mine)):
             if theirs != mine:
@@ -115,16 +118,16 @@ def build_mesh(topology: Topology, sets: list[ProcessSet], scope: str, mpi=None)
                                  f"(rank {topology.rank}: {mine}, rank {r}: {theirs}).")
         mesh = connect(topology.rank, topology.size, topology.hostname, MpiStore(mpi.comm), mpi.key,
                           scope=scope, timeout=timeout, iface_addr=mpi.iface_addr)
-        if (os.environ.get("HOROVOD_CPU_OPERATIONS") or "mpi").lower() == "mpi":
+        if (read_env("HOROVOD_CPU_OPERATIONS") or "mpi") == "mpi":
             mesh.mpi_comm = mpi.comm  # make_communicator then picks horovod.transport.mpi for data
         return mesh
-    addr = os.environ.get("HOROVOD_GLOO_RENDEZVOUS_ADDR")
-    port = os.environ.get("HOROVOD_GLOO_RENDEZVOUS_PORT")
+    addr = read_env("HOROVOD_GLOO_RENDEZVOUS_ADDR")
+    port = read_env("HOROVOD_GLOO_RENDEZVOUS_PORT")
     key = auth.secret_key_from_env()
     if not addr or not port or key is None:
         raise ValueError("Horovod initialization failed: HOROVOD_SIZE > 1 but no rendezvous address or secret "
                          "key in the environment. Start the job with horovodrun.")
-    timeout = env_float("HOROVOD_START_TIMEOUT", 30.0)
+    timeout = start_timeout()
     store = StoreClient(addr, int(port), key, timeout=timeout)
     # Every rank must pass the same static process sets: rank 0 compares everyone's, the others rank 0's.
     mine = json.dumps([ps.ranks for ps in sets]).encode()
@@ -137,7 +140,7 @@ def build_mesh(topology: Topology, sets: list[ProcessSet], scope: str, mpi=None)
                              f"(rank {topology.rank}: {mine.decode()}, rank {r}: {theirs.decode()}).")
     # Listen and advertise on HOROVOD_GLOO_IFACE (--network-interface) if this host has it, else on the
     # interface that routes to the launcher's store (the network the launcher chose for the job).
-    iface = os.environ.get("HOROVOD_GLOO_IFACE")
+    iface = read_env("HOROVOD_GLOO_IFACE")
     iface_addr = _interface_address(iface) if iface else None
     if iface and iface_addr is None:
         log.warning("HOROVOD_GLOO_IFACE=%s has no IPv4 address on %s; using the route to %s", iface,

@@ -1,18 +1,32 @@
-"""One declarative table of the runtime knobs.
+"""One declarative table of the runtime knobs, and the one place where HOROVOD_* variables are parsed.
 
 Each knob has an environment variable (what workers read), an optional ``horovodrun`` flag and an optional
 key in the ``--config-file`` YAML.  The launcher builds its argparse options and the env it exports from
 this table, and the runtime parses the env through :func:`read_runtime_config`, so the three never drift.
+
+Every other ``HOROVOD_*`` variable the code reads (the rank layout the launcher exports, the rendezvous
+address, the job key, ``HOROVOD_START_TIMEOUT`` ...) is listed in :data:`ENV_VARS` too and read with
+:func:`read_env`.  Parsing is strict: a value that is not what the variable needs -- ``3s``, ``5min``,
+``abc``, a negative number, ``inf``, ``nan`` -- raises :class:`EnvVarError`, a ``ValueError`` whose text
+names the variable and the value, e.g.
+``HOROVOD_STALL_SHUTDOWN_TIME_SECONDS='5min' is not a number of seconds``.  A typo therefore can never turn
+into 0, which for several deadlines means "wait forever".  An unset or empty variable means its default.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 import os
+import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
-__all__ = ["Knob", "KNOBS", "RuntimeConfig", "read_runtime_config", "env_bool", "env_int", "env_float"]
+__all__ = ["Knob", "KNOBS", "RuntimeConfig", "read_runtime_config", "EnvVar", "ENV_VARS", "EnvVarError",
+           "read_env", "env_bool", "env_int", "env_float", "start_timeout", "format_number",
+           "parse_bool", "parse_int", "parse_number", "parse_choice", "LOG_LEVELS",
+           "DEFAULT_START_TIMEOUT", "DEFAULT_ELASTIC_TIMEOUT", "DEFAULT_STALL_SHUTDOWN_SECONDS"]
 
 MIB = 1024 * 1024
 
@@ -20,44 +34,134 @@ MIB = 1024 * 1024
 # missing rank becomes an error naming the rank and tensors.  See docs/compatibility.md.
 DEFAULT_STALL_SHUTDOWN_SECONDS = 300.0
 
+DEFAULT_START_TIMEOUT = 30
+"""Seconds workers may take to meet (``--start-timeout``/``HOROVOD_START_TIMEOUT``): the one definition."""
 
-def _parse_bool(text: str) -> bool:
-    text = text.strip().lower()
-    if text in ("", "0", "false", "no", "off"):
-        return False
-    if text in ("1", "true", "yes", "on"):
+DEFAULT_ELASTIC_TIMEOUT = 600
+"""Seconds an elastic job waits for enough slots (``--elastic-timeout``/``HOROVOD_ELASTIC_TIMEOUT``)."""
+
+LOG_LEVELS = ("TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "FATAL")
+
+_TRUE = ("1", "true", "yes", "on", "y", "t")
+_FALSE = ("0", "false", "no", "off", "n", "f")
+_INT_RE = re.compile(r"[+-]?\d+")
+_HEX_RE = re.compile(r"(?:[0-9a-fA-F]{2})+")
+
+
+class EnvVarError(ValueError):
+    """A ``HOROVOD_*`` variable (or knob value) that cannot be used; the text names it and its value."""
+
+    def __init__(self, name: str, text: str, problem: str, *, show_value: bool = True) -> None:
+        shown = f"{name}={text!r}" if show_value else name
+        super().__init__(f"{shown} {problem}")
+        self.name = name
+        self.text = text
+
+
+# ---------------------------------------------------------------------------------------------- parsers
+# Every parser takes (variable name, text) and returns the value or raises EnvVarError naming the variable.
+
+def parse_str(name: str, text: str) -> str:
+    """Any text (file names, host names, interface names)."""
+    return text
+
+
+def parse_bool(name: str, text: str) -> bool:
+    """``1/0, true/false, yes/no, on/off`` (any case); any other text is an error, never a silent False."""
+    low = text.strip().lower()
+    if low in _TRUE:
         return True
-    try:
-        return float(text) > 0
-    except ValueError:
+    if low in _FALSE:
         return False
+    if _INT_RE.fullmatch(low) and int(low) > 0:
+        return True  # upstream reads these with strtol(...) > 0: "2" still means on
+    raise EnvVarError(name, text, "is not a boolean (use 1 or 0; true/false, yes/no and on/off also work)")
 
 
-def _parse_int(text: str) -> int:
-    # Upstream's C++ core parses with strtol: garbage (even run()'s accidental "(None,)") reads as 0.
+def parse_int(name: str, text: str, *, minimum: int | None = 0, maximum: int | None = None,
+              what: str = "a whole number") -> int:
+    """A whole number in ``[minimum, maximum]``; ``1e6`` and ``64.0`` are accepted, ``64MB`` is not."""
+    stripped = text.strip()
+    if _INT_RE.fullmatch(stripped):
+        value = int(stripped)
+    else:
+        try:
+            number = float(stripped)
+        except ValueError:
+            raise EnvVarError(name, text, f"is not {what}") from None
+        if math.isnan(number) or not number.is_integer():
+            raise EnvVarError(name, text, f"is not {what}")
+        value = int(number)
+    _check_range(name, text, value, minimum, maximum)
+    return value
+
+
+def parse_number(name: str, text: str, *, minimum: float | None = 0.0, positive: bool = False,
+                 what: str = "a number", hint: str = "") -> float:
+    """A finite number ``>= minimum`` (``> 0`` when ``positive``); units such as ``3s`` are errors."""
     try:
-        return int(float(text))
+        value = float(text.strip())
     except ValueError:
-        return 0
+        raise EnvVarError(name, text, f"is not {what}{hint}") from None
+    if math.isnan(value):
+        raise EnvVarError(name, text, f"is not {what}{hint}")
+    if math.isinf(value):
+        raise EnvVarError(name, text, f"must be a finite number{hint}")
+    if positive and value <= 0:
+        raise EnvVarError(name, text, f"must be > 0{hint}")
+    _check_range(name, text, value, minimum, None, hint)
+    return value
 
 
-def _parse_float(text: str) -> float:
-    try:
-        return float(text)
-    except ValueError:
-        return 0.0
+def _check_range(name: str, text: str, value: float, minimum: float | None, maximum: float | None,
+                 hint: str = "") -> None:
+    if minimum is not None and value < minimum:
+        raise EnvVarError(name, text, f"must be >= {minimum:g}{hint}")
+    if maximum is not None and value > maximum:
+        raise EnvVarError(name, text, f"must be <= {maximum:g}{hint}")
 
 
+def parse_choice(name: str, text: str, *, choices: tuple[str, ...]) -> str:
+    """One of ``choices`` (any case); returned in the case of ``choices``."""
+    key = text.strip()
+    for choice in choices:
+        if key.lower() == choice.lower():
+            return choice
+    raise EnvVarError(name, text, f"is not one of {', '.join(choices)}")
+
+
+def parse_hex_key(name: str, text: str) -> bytes:
+    """A hex job key; the value itself is never shown in the error."""
+    stripped = text.strip()
+    if not _HEX_RE.fullmatch(stripped):
+        raise EnvVarError(name, text, f"is not a hex string ({len(text)} characters); it is the per-job key "
+                          "that horovodrun sets -- start the job with horovodrun or unset it", show_value=False)
+    return bytes.fromhex(stripped)
+
+
+def _seconds(*, positive: bool = False, never: bool = False) -> Callable[[str, str], float]:
+    hint = " (a plain number such as 300, no unit; 0 means never)" if never else \
+        " (a plain number such as 30, no unit)"
+    return functools.partial(parse_number, positive=positive, what="a number of seconds", hint=hint)
+
+
+def _count(what: str = "a whole number", minimum: int = 0) -> Callable[[str, str], int]:
+    return functools.partial(parse_int, minimum=minimum, what=what)
+
+
+
+# ---------------------------------------------------------------------------------------------- knob table
 @dataclasses.dataclass(frozen=True)
 class Knob:
     """A runtime setting: where it is read from and how it is parsed.
 
-    ``flag_to_env`` converts the launcher flag's value to the env text (e.g. MB → bytes).
+    ``parse(env_name, text)`` returns the value or raises :class:`EnvVarError`.  ``flag_to_env`` converts
+    the launcher flag's value to the env text (e.g. MB → bytes).
     """
 
     name: str
     env: str
-    parse: Callable[[str], Any]
+    parse: Callable[[str, str], Any]
     default: Any
     flag: str | None = None
     flag_type: type | None = None
@@ -75,49 +179,50 @@ def _bool_env(v: Any) -> str:
 
 
 KNOBS: tuple[Knob, ...] = (
-    Knob("fusion_threshold", "HOROVOD_FUSION_THRESHOLD", _parse_int, 128 * MIB,
+    Knob("fusion_threshold", "HOROVOD_FUSION_THRESHOLD", _count("a whole number of bytes"), 128 * MIB,
          "--fusion-threshold-mb", int, "Fusion buffer threshold in MB (0 disables fusion).",
          "params.fusion_threshold_mb", _mb_to_bytes),
-    Knob("cycle_time_ms", "HOROVOD_CYCLE_TIME", _parse_float, 1.0,
+    Knob("cycle_time_ms", "HOROVOD_CYCLE_TIME",
+         functools.partial(parse_number, what="a number of milliseconds"), 1.0,
          "--cycle-time-ms", float, "Upper bound in ms on how long the engine waits for more tensors to fuse.",
          "params.cycle_time_ms"),
-    Knob("cache_capacity", "HOROVOD_CACHE_CAPACITY", _parse_int, 1024,
+    Knob("cache_capacity", "HOROVOD_CACHE_CAPACITY", _count(), 1024,
          "--cache-capacity", int, "Response cache capacity (0 disables the cache).", "params.cache_capacity"),
-    Knob("hierarchical_allreduce", "HOROVOD_HIERARCHICAL_ALLREDUCE", _parse_bool, None,
+    Knob("hierarchical_allreduce", "HOROVOD_HIERARCHICAL_ALLREDUCE", parse_bool, None,
          "--hierarchical-allreduce", bool, "Force (1) or forbid (0) hierarchical allreduce; unset = automatic.",
          "params.hierarchical_allreduce", _bool_env),
-    Knob("hierarchical_allgather", "HOROVOD_HIERARCHICAL_ALLGATHER", _parse_bool, None,
+    Knob("hierarchical_allgather", "HOROVOD_HIERARCHICAL_ALLGATHER", parse_bool, None,
          "--hierarchical-allgather", bool, "Force (1) or forbid (0) hierarchical allgather; unset = automatic.",
          "params.hierarchical_allgather", _bool_env),
-    Knob("timeline", "HOROVOD_TIMELINE", str, "",
+    Knob("timeline", "HOROVOD_TIMELINE", parse_str, "",
          "--timeline-filename", str, "Write a Chrome-trace timeline to this file (rank 0).", "timeline.filename"),
-    Knob("timeline_mark_cycles", "HOROVOD_TIMELINE_MARK_CYCLES", _parse_bool, False,
+    Knob("timeline_mark_cycles", "HOROVOD_TIMELINE_MARK_CYCLES", parse_bool, False,
          "--timeline-mark-cycles", bool, "Mark engine cycles in the timeline.", "timeline.mark_cycles",
          _bool_env),
-    Knob("stall_check_disable", "HOROVOD_STALL_CHECK_DISABLE", _parse_bool, False,
+    Knob("stall_check_disable", "HOROVOD_STALL_CHECK_DISABLE", parse_bool, False,
          "--no-stall-check", bool, "Disable the stall inspector.", None, _bool_env),
-    Knob("stall_check_time", "HOROVOD_STALL_CHECK_TIME_SECONDS", _parse_float, 60.0,
+    Knob("stall_check_time", "HOROVOD_STALL_CHECK_TIME_SECONDS", _seconds(), 60.0,
          "--stall-check-warning-time-seconds", int, "Seconds before a stalled tensor is reported.",
          "stall_check.warning_time_seconds"),
-    Knob("stall_shutdown_time", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", _parse_float,
+    Knob("stall_shutdown_time", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", _seconds(never=True),
          DEFAULT_STALL_SHUTDOWN_SECONDS,
          "--stall-check-shutdown-time-seconds", int,
          "Seconds after which a stalled job is shut down (0 = never).", "stall_check.shutdown_time_seconds"),
-    Knob("log_level", "HOROVOD_LOG_LEVEL", str, "WARNING",
+    Knob("log_level", "HOROVOD_LOG_LEVEL", functools.partial(parse_choice, choices=LOG_LEVELS), "WARNING",
          "--log-level", str, "Log level of the workers' engine.", "logging.level"),
-    Knob("log_hide_time", "HOROVOD_LOG_HIDE_TIME", _parse_bool, False,
+    Knob("log_hide_time", "HOROVOD_LOG_HIDE_TIME", parse_bool, False,
          "--log-without-timestamp", bool, "Hide timestamps in engine log lines.", None, _bool_env),
-    Knob("op_timeout", "HOROVOD_GLOO_TIMEOUT_SECONDS", _parse_float, 30.0,
+    Knob("op_timeout", "HOROVOD_GLOO_TIMEOUT_SECONDS", _seconds(positive=True), 30.0,
          "--gloo-timeout-seconds", int, "Seconds a peer may take inside a collective before the job fails.",
          "library_options.gloo_timeout_seconds"),
-    Knob("disable_shm", "HOROVOD_SHM_DISABLE", _parse_bool, False,
+    Knob("disable_shm", "HOROVOD_SHM_DISABLE", parse_bool, False,
          None, None, "Use TCP even between ranks on the same host (tests the cross-host path).", None,
          _bool_env),
-    Knob("dynamic_process_sets", "HOROVOD_DYNAMIC_PROCESS_SETS", _parse_bool, False,
+    Knob("dynamic_process_sets", "HOROVOD_DYNAMIC_PROCESS_SETS", parse_bool, False,
          None, None, "Allow add_process_set/remove_process_set after init.", None, _bool_env),
-    Knob("disable_group_fusion", "HOROVOD_DISABLE_GROUP_FUSION", _parse_bool, False,
+    Knob("disable_group_fusion", "HOROVOD_DISABLE_GROUP_FUSION", parse_bool, False,
          None, None, "Fuse grouped ops only with their own group.", None, _bool_env),
-    Knob("elastic", "HOROVOD_ELASTIC", _parse_bool, False, None, None, "Elastic mode.", None, _bool_env),
+    Knob("elastic", "HOROVOD_ELASTIC", parse_bool, False, None, None, "Elastic mode.", None, _bool_env),
 )
 
 KNOBS_BY_NAME: dict[str, Knob] = {k.name: k for k in KNOBS}
@@ -146,27 +251,109 @@ class RuntimeConfig:
     elastic: bool = False
 
 
+# ---------------------------------------------------------------------------------------------- other variables
+@dataclasses.dataclass(frozen=True)
+class EnvVar:
+    """A ``HOROVOD_*`` variable: its parser, its default when unset or empty, and who sets it."""
+
+    name: str
+    parse: Callable[[str, str], Any]
+    default: Any
+    help: str = ""
+
+
+_PORT = functools.partial(parse_int, minimum=1, maximum=65535, what="a TCP port number")
+
+_OTHER_VARS: tuple[EnvVar, ...] = (
+    # The rank layout the launcher exports (horovod.common.bootstrap.topology_from_env).
+    EnvVar("HOROVOD_RANK", _count("a rank (a whole number)"), 0, "this process's rank (set by the launcher)"),
+    EnvVar("HOROVOD_SIZE", _count("a number of processes", minimum=1), 1, "number of ranks (launcher)"),
+    EnvVar("HOROVOD_LOCAL_RANK", _count("a rank (a whole number)"), 0, "rank on this host (launcher)"),
+    EnvVar("HOROVOD_LOCAL_SIZE", _count("a number of processes", minimum=1), 1, "ranks on this host"),
+    EnvVar("HOROVOD_CROSS_RANK", _count("a rank (a whole number)"), 0, "this host's index (launcher)"),
+    EnvVar("HOROVOD_CROSS_SIZE", _count("a number of hosts", minimum=1), 1, "hosts with this local rank"),
+    EnvVar("HOROVOD_HOSTNAME", parse_str, "", "host name as the launcher knows it"),
+    # Rendezvous and transport.
+    EnvVar("HOROVOD_GLOO_RENDEZVOUS_ADDR", parse_str, "", "the launcher's rendezvous store address"),
+    EnvVar("HOROVOD_GLOO_RENDEZVOUS_PORT", _PORT, None, "the launcher's rendezvous store port"),
+    EnvVar("HOROVOD_GLOO_IFACE", parse_str, "", "network interface to listen on"),
+    EnvVar("HOROVOD_SECRET_KEY", parse_hex_key, None, "the per-job key (hex), set by the launcher"),
+    EnvVar("HOROVOD_CONTROLLER", functools.partial(parse_choice, choices=("gloo", "mpi")), "",
+           "gloo (launcher's store) or mpi"),
+    EnvVar("HOROVOD_CPU_OPERATIONS", functools.partial(parse_choice, choices=("gloo", "mpi")), "",
+           "data plane under MPI: mpi (default) or gloo (built-in)"),
+    EnvVar("HOROVOD_MPI_THREADS_DISABLE", parse_bool, False, "ask MPI for MPI_THREAD_SINGLE"),
+    # Deadlines.
+    EnvVar("HOROVOD_START_TIMEOUT", _seconds(positive=True), DEFAULT_START_TIMEOUT,
+           "seconds workers may take to meet at the rendezvous"),
+    EnvVar("HOROVOD_ELASTIC_TIMEOUT", _seconds(positive=True), DEFAULT_ELASTIC_TIMEOUT,
+           "seconds an elastic job waits for enough slots"),
+    EnvVar("HOROVOD_ELASTIC_GRACE_SECONDS", _seconds(), 30.0,
+           "elastic driver: seconds the others may take to leave a generation before they count as hung"),
+    EnvVar("HOROVOD_ELASTIC_SLOT", parse_str, "", "elastic worker's slot host:local_rank (set by the driver)"),
+)
+
+ENV_VARS: dict[str, EnvVar] = {
+    **{k.env: EnvVar(k.env, k.parse, k.default, k.help) for k in KNOBS},
+    **{v.name: v for v in _OTHER_VARS},
+}
+"""Every ``HOROVOD_*`` variable the package reads, by name."""
+
+
+def _text(name: str, environ: Mapping[str, str] | None) -> str | None:
+    text = (os.environ if environ is None else environ).get(name)
+    return None if text is None or text.strip() == "" else text
+
+
+def read_env(name: str, environ: Mapping[str, str] | None = None) -> Any:
+    """The parsed value of the registered variable ``name`` (its default when unset or empty).
+
+    Raises:
+        EnvVarError: the value is not valid for the variable; the text names it.
+    """
+    var = ENV_VARS[name]
+    text = _text(name, environ)
+    return var.default if text is None else var.parse(name, text)
+
+
 def read_runtime_config(environ: Mapping[str, str] | None = None) -> RuntimeConfig:
-    """Parse every knob from ``environ`` (default ``os.environ``); unset knobs keep their defaults."""
-    environ = os.environ if environ is None else environ
+    """Parse every knob from ``environ`` (default ``os.environ``); unset knobs keep their defaults.
+
+    Raises:
+        EnvVarError: a knob has a value it cannot take (``hvd.init()`` and ``horovodrun`` both call this).
+    """
     values = {}
     for knob in KNOBS:
-        text = environ.get(knob.env)
-        values[knob.name] = knob.default if text is None or text == "" and knob.parse is not str \
-            else knob.parse(text)
+        text = _text(knob.env, environ)
+        values[knob.name] = knob.default if text is None else knob.parse(knob.env, text)
     return RuntimeConfig(**values)
 
 
-def env_bool(name: str, default: bool = False) -> bool:
-    text = os.environ.get(name)
-    return default if text is None else _parse_bool(text)
+def start_timeout(environ: Mapping[str, str] | None = None) -> float:
+    """``HOROVOD_START_TIMEOUT`` in seconds (default :data:`DEFAULT_START_TIMEOUT`)."""
+    return float(read_env("HOROVOD_START_TIMEOUT", environ))
 
 
-def env_int(name: str, default: int) -> int:
-    text = os.environ.get(name)
-    return default if text in (None, "") else _parse_int(text)
+def format_number(value: float) -> str:
+    """Env text for a number: ``30`` rather than ``30.0`` when whole."""
+    return str(int(value)) if float(value).is_integer() else repr(float(value))
 
 
-def env_float(name: str, default: float) -> float:
-    text = os.environ.get(name)
-    return default if text in (None, "") else _parse_float(text)
+def env_bool(name: str, default: bool = False, environ: Mapping[str, str] | None = None) -> bool:
+    """A boolean variable (strict, see :func:`parse_bool`); ``default`` when unset or empty."""
+    text = _text(name, environ)
+    return default if text is None else parse_bool(name, text)
+
+
+def env_int(name: str, default: int, *, minimum: int | None = 0, maximum: int | None = None,
+            environ: Mapping[str, str] | None = None) -> int:
+    """A whole-number variable in ``[minimum, maximum]``; ``default`` when unset or empty."""
+    text = _text(name, environ)
+    return default if text is None else parse_int(name, text, minimum=minimum, maximum=maximum)
+
+
+def env_float(name: str, default: float, *, minimum: float | None = 0.0, positive: bool = False,
+              environ: Mapping[str, str] | None = None) -> float:
+    """A finite number variable (``>= minimum``, ``> 0`` if ``positive``); ``default`` when unset or empty."""
+    text = _text(name, environ)
+    return default if text is None else parse_number(name, text, minimum=minimum, positive=positive)

@@ -21,12 +21,12 @@ import copy
 import enum
 import functools
 import logging
-import os
 import queue
 import threading
 from collections.abc import Callable
 from typing import Any
 
+from horovod.common.config import read_env
 from horovod.common.exceptions import HorovodInternalError, HostsUpdatedInterrupt
 
 __all__ = ["State", "ObjectState", "run_fn", "run", "HostUpdateResult", "WorkerNotificationManager",
@@ -194,17 +194,18 @@ class WorkerNotificationManager:
         with self._lock:
             if self._store is not None:
                 return
-            addr = os.environ.get("HOROVOD_GLOO_RENDEZVOUS_ADDR")
-            port = os.environ.get("HOROVOD_GLOO_RENDEZVOUS_PORT")
-            if not addr or not port or os.environ.get("HOROVOD_ELASTIC") != "1":
-                return
             from horovod.common import auth
+
+            addr = read_env("HOROVOD_GLOO_RENDEZVOUS_ADDR")
+            port = read_env("HOROVOD_GLOO_RENDEZVOUS_PORT")
+            if not addr or port is None or not read_env("HOROVOD_ELASTIC"):
+                return
             from horovod.transport.store import StoreClient
 
             key = auth.secret_key_from_env()
             if key is None:
                 return
-            self._store = StoreClient(addr, int(port), key, timeout=10.0)
+            self._store = StoreClient(addr, port, key, timeout=10.0)
 
     def register_listener(self, listener: State) -> None:
         with self._lock:

@@ -28,7 +28,7 @@ import time
 from typing import Any
 
 from horovod.common import auth
-from horovod.common.config import env_float
+from horovod.common.config import read_env, start_timeout
 
 __all__ = ["rendezvous", "hosts_baseline", "current_generation", "slot_name", "REMOVED_MESSAGE"]
 
@@ -50,10 +50,10 @@ class _GenerationEnded(Exception):
 
 def slot_name() -> str:
     """This worker's slot as the driver started it (``host:local_rank``)."""
-    slot = os.environ.get("HOROVOD_ELASTIC_SLOT")
+    slot = read_env("HOROVOD_ELASTIC_SLOT")
     if slot:
         return slot
-    return f"{os.environ.get('HOROVOD_HOSTNAME', 'localhost')}:{os.environ.get('HOROVOD_LOCAL_RANK', '0')}"
+    return f"{read_env('HOROVOD_HOSTNAME') or 'localhost'}:{read_env('HOROVOD_LOCAL_RANK')}"
 
 
 def hosts_baseline() -> float:
@@ -151,15 +151,15 @@ def rendezvous() -> Any:
     from horovod.transport import build_mesh
     from horovod.transport.store import StoreClient
 
-    addr = os.environ["HOROVOD_GLOO_RENDEZVOUS_ADDR"]
-    port = int(os.environ["HOROVOD_GLOO_RENDEZVOUS_PORT"])
+    addr = read_env("HOROVOD_GLOO_RENDEZVOUS_ADDR")
+    port = read_env("HOROVOD_GLOO_RENDEZVOUS_PORT")
     key = auth.secret_key_from_env()
-    if key is None:
-        raise ValueError("Horovod elastic initialization failed: no job key in the environment. Start the job "
-                         "with horovodrun.")
+    if not addr or port is None or key is None:
+        raise ValueError("Horovod elastic initialization failed: no rendezvous address or job key in the "
+                         "environment. Start the job with horovodrun.")
     store = StoreClient(addr, port, key, timeout=10.0)
-    deadline = time.monotonic() + env_float("HOROVOD_ELASTIC_TIMEOUT", 600.0)
-    start_timeout = env_float("HOROVOD_START_TIMEOUT", 30.0)
+    deadline = time.monotonic() + read_env("HOROVOD_ELASTIC_TIMEOUT")
+    mesh_timeout = start_timeout()
     slot = slot_name()
     host, _, local_rank = slot.rpartition(":")
     if _last_generation is not None:
@@ -185,7 +185,7 @@ def rendezvous() -> Any:
             return None
         try:
             mesh = build_mesh(rank, size, host, _AbortableStore(store, generation), key,
-                              scope=f"elastic.{generation}", timeout=start_timeout)
+                              scope=f"elastic.{generation}", timeout=mesh_timeout)
         except Exception as e:  # noqa: BLE001 - a peer vanished while we met: leave, wait for the next round
             logger.warning("elastic: could not build the mesh of generation %d: %s", generation, e)
             _leave(store, generation, f"mesh failed: {e}")

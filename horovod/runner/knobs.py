@@ -8,17 +8,17 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
+import os
 from collections.abc import Mapping
 from typing import Any
 
-from horovod.common.config import KNOBS, Knob
+from horovod.common.config import KNOBS, LOG_LEVELS, EnvVarError, Knob, parse_bool, read_runtime_config
 
 __all__ = ["add_knob_arguments", "knob_dest", "apply_config_file", "load_config_file", "knob_env",
            "validate_knob_args", "LOG_LEVELS"]
 
 logger = logging.getLogger(__name__)
-
-LOG_LEVELS = ("TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "FATAL")
 
 # Config-file keys that mean the opposite of a knob's flag (upstream's YAML says "enabled").
 _INVERTED_YAML = {"stall_check.enabled": "stall_check_disable", "logging.with_timestamp": "log_hide_time"}
@@ -27,10 +27,22 @@ _INVERTED_YAML = {"stall_check.enabled": "stall_check_disable", "logging.with_ti
 _EXTRA_ARGPARSE: dict[str, dict[str, Any]] = {
     "log_level": {"choices": LOG_LEVELS, "type": str.upper},
 }
+KNOB_BY_ENV: dict[str, Knob] = {k.env: k for k in KNOBS}
 _HIDDEN_OPPOSITES = {"stall_check_disable": "--stall-check", "log_hide_time": "--log-with-timestamp"}
 
 # Knobs whose negative values make no sense (upstream's ``'<arg>=<v> must be >= 0'``).
 _NONNEGATIVE_TYPES = (int, float)
+
+
+def finite_float(text: str) -> float:
+    """argparse type of float flags: ``nan`` and ``inf`` are refused (they would disable a bound)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid float value: {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"invalid value: {text!r} (must be a finite number)")
+    return value
 
 
 def knob_dest(knob: Knob) -> str:
@@ -67,19 +79,35 @@ def add_knob_arguments(parser: argparse.ArgumentParser) -> None:
                 group.add_argument(_HIDDEN_OPPOSITES[knob.name], dest=dest, action="store_false",
                                    default=None, help=argparse.SUPPRESS)
         else:
-            kwargs: dict[str, Any] = {"type": knob.flag_type or str}
+            kwargs: dict[str, Any] = {"type": finite_float if knob.flag_type is float else knob.flag_type or str}
             kwargs.update(_EXTRA_ARGPARSE.get(knob.name, {}))
             group.add_argument(knob.flag, dest=dest, default=None, help=knob.help, **kwargs)
 
 
 def validate_knob_args(args: argparse.Namespace) -> None:
-    """Raise upstream's ``ValueError('<arg>=<v> must be >= 0')`` for negative numeric knobs."""
+    """Check every knob the workers will see before any of them starts.
+
+    Negative flag values raise upstream's ``ValueError('<arg>=<v> must be >= 0')``; then the knobs of the
+    workers' environment (the launcher's, or ``horovod.run``'s, with the flags applied) are parsed as
+    ``hvd.init()`` will parse them, so ``HOROVOD_STALL_SHUTDOWN_TIME_SECONDS=5min`` fails here, naming the
+    variable, instead of in every worker.
+    """
     for knob in _flag_knobs():
         if knob.flag_type in _NONNEGATIVE_TYPES:
             dest = knob_dest(knob)
             value = getattr(args, dest, None)
             if value is not None and value < 0:
                 raise ValueError(f"{dest}={value} must be >= 0")
+    given = knob_env(args)
+    env = dict(args.env if getattr(args, "env", None) is not None else os.environ)
+    env.update(given)
+    try:
+        read_runtime_config(env)
+    except EnvVarError as e:
+        knob = KNOB_BY_ENV.get(e.name)
+        if knob is not None and knob.flag and knob.env in given:  # the bad value came from a flag
+            raise ValueError(f"{knob.flag} {getattr(args, knob_dest(knob))}: {e}") from None
+        raise
 
 
 def _parse_scalar(text: str) -> Any:
@@ -177,10 +205,28 @@ def apply_config_file(args: argparse.Namespace, config: Mapping[str, Any]) -> No
 
 
 def _coerce(knob: Knob, value: Any) -> Any:
+    """A config-file value as the flag's type; a value of the wrong kind names the key (never a bare error)."""
+    key = f"config file: {knob.yaml}"
     if knob.flag_type is bool:
-        return bool(value)
+        return value if isinstance(value, bool) else parse_bool(key, str(value))
     if knob.name == "log_level":
-        return str(value).upper()
+        level = str(value).upper()
+        if level not in LOG_LEVELS:
+            raise ValueError(f"{key}={value!r} is not one of {', '.join(LOG_LEVELS)}")
+        return level
+    if knob.flag_type in (int, float):
+        if isinstance(value, bool):
+            raise ValueError(f"{key}={value!r} is not a number")
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"{key}={value!r} is not a number (units such as 's' or 'MB' are not accepted)") \
+                from None
+        if not math.isfinite(number):
+            raise ValueError(f"{key}={value!r} must be a finite number")
+        if knob.flag_type is int and not number.is_integer():
+            raise ValueError(f"{key}={value!r} is not a whole number")
+        return knob.flag_type(number)
     return (knob.flag_type or str)(value)
 
 

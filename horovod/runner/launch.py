@@ -21,6 +21,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from horovod.common import auth
+from horovod.common import config as config_mod
+from horovod.common.config import DEFAULT_START_TIMEOUT
 from horovod.runner import hosts as hosts_mod
 from horovod.runner import knobs as knobs_mod
 
@@ -28,7 +30,6 @@ __all__ = ["run_commandline", "parse_args", "make_parser", "_run", "worker_env",
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_START_TIMEOUT = 30
 RUN_FUNC_SCOPE = "runfunc"
 RUN_RESULT_SCOPE = "runfunc_result"
 
@@ -120,6 +121,8 @@ def _validate(args: argparse.Namespace) -> None:
         value = getattr(args, dest, None)
         if value is not None and value < 0:
             raise ValueError(f"{dest}={value} must be >= 0")
+    if args.start_timeout == 0:
+        raise ValueError("start_timeout=0 must be > 0 (seconds the workers may take to meet)")
     if args.host_discovery_script or args.min_num_proc is not None or args.max_num_proc is not None:
         raise ValueError("Elastic mode (--host-discovery-script, --min-np, --max-np) is not supported yet.")
     if getattr(args, "use_jsrun", False):
@@ -128,6 +131,13 @@ def _validate(args: argparse.Namespace) -> None:
         raise ValueError("-np/--num-proc is required and must be at least 1 (or use --check-build).")
     if not args.command and args.run_func is None:
         raise ValueError("No command given: horovodrun -np N <command> [args...]")
+
+
+def _start_timeout(args: argparse.Namespace) -> float:
+    """``--start-timeout``, else ``HOROVOD_START_TIMEOUT`` of the workers' environment, else the default."""
+    if args.start_timeout is not None:
+        return args.start_timeout
+    return config_mod.start_timeout(args.env if getattr(args, "env", None) is not None else None)
 
 
 def _resolve_hosts(args: argparse.Namespace) -> list[hosts_mod.HostInfo]:
@@ -145,7 +155,7 @@ def _nics(args: argparse.Namespace) -> list[str]:
 
 
 def worker_env(slot: hosts_mod.SlotInfo, *, base: dict[str, str], store_addr: str, store_port: int,
-               key: bytes, knobs: dict[str, str], start_timeout: int, nics: Sequence[str] = (),
+               key: bytes, knobs: dict[str, str], start_timeout: float, nics: Sequence[str] = (),
                tcp: bool = False) -> dict[str, str]:
     """The complete environment of one worker (the launcher → worker contract)."""
     env = dict(base)
@@ -157,7 +167,7 @@ def worker_env(slot: hosts_mod.SlotInfo, *, base: dict[str, str], store_addr: st
         "HOROVOD_GLOO_RENDEZVOUS_PORT": str(store_port),
         "HOROVOD_CONTROLLER": "gloo",
         "HOROVOD_CPU_OPERATIONS": "gloo",
-        "HOROVOD_START_TIMEOUT": str(start_timeout),
+        "HOROVOD_START_TIMEOUT": config_mod.format_number(start_timeout),
         "PYTHONUNBUFFERED": "1",
         auth.SECRET_KEY_ENV: key.hex(),
     })
@@ -204,9 +214,7 @@ def _run(args: argparse.Namespace, stop_event: threading.Event | None = None) ->
         return None
     # --- end of elastic hook
     _validate(args)
-    start_timeout = args.start_timeout
-    if start_timeout is None:
-        start_timeout = int(os.environ.get("HOROVOD_START_TIMEOUT", DEFAULT_START_TIMEOUT))
+    start_timeout = _start_timeout(args)
     hosts = _resolve_hosts(args)
     # Unlike upstream's Gloo path (which starts every listed slot), exactly -np ranks are started.
     slots = hosts_mod.get_host_assignments(hosts, args.num_proc, args.num_proc)
@@ -304,12 +312,12 @@ def _collect_results(server: Any, size: int) -> list[Any]:
 
 
 def _run_mpi(args: argparse.Namespace, hosts: list[hosts_mod.HostInfo], knobs: dict[str, str],
-             start_timeout: int, remote: Sequence[str] = ()) -> list[Any] | None:
+             start_timeout: float, remote: Sequence[str] = ()) -> list[Any] | None:
     from horovod.runner import mpi_run
 
     env = dict(args.env if getattr(args, "env", None) is not None else os.environ)
     env.update(knobs)
-    env.update({"PYTHONUNBUFFERED": "1", "HOROVOD_START_TIMEOUT": str(start_timeout)})
+    env.update({"PYTHONUNBUFFERED": "1", "HOROVOD_START_TIMEOUT": config_mod.format_number(start_timeout)})
     if args.tcp_flag:
         env["NCCL_IB_DISABLE"] = "1"
     nics = _nics(args)

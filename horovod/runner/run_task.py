@@ -12,13 +12,15 @@ import sys
 import traceback
 from collections.abc import Sequence
 
+from horovod.common.config import env_int, start_timeout
+
 __all__ = ["main"]
 
 
 def _rank() -> int:
     for name in ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK"):
         if os.environ.get(name):
-            return int(os.environ[name])
+            return env_int(name, 0)
     return 0
 
 
@@ -38,7 +40,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stderr.write(f"horovod.runner.run_task: {auth.SECRET_KEY_ENV} is not set; start it with "
                          "horovod.run()\n")
         return 2
-    timeout = float(os.environ.get("HOROVOD_START_TIMEOUT") or 30)
+    timeout = start_timeout()
     client = StoreClient(argv[0], int(argv[1]), key, timeout=timeout)
     func, args, kwargs = cloudpickle.loads(client.get("runfunc/func"))
     try:

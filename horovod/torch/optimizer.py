@@ -21,7 +21,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
-import os
 import warnings
 import weakref
 from collections.abc import Iterable, Iterator, Sequence
@@ -31,6 +30,7 @@ import torch
 
 from horovod.common import basics
 from horovod.common.basics import Adasum, Average
+from horovod.common.config import read_env
 from horovod.common.process_sets import ProcessSet, global_process_set
 from horovod.torch.compression import Compression, Compressor
 from horovod.torch.mpi_ops import (
@@ -115,7 +115,7 @@ class _DistributedOptimizer:
         self._should_synchronize = True
         set_size = process_set.size() if process_set.included() else 0
         self._active = bool(process_set.included()) and (
-            (set_size or 0) > 1 or os.environ.get("HOROVOD_ELASTIC") == "1")
+            (set_size or 0) > 1 or read_env("HOROVOD_ELASTIC"))
         self._requires_update: list[torch.Tensor] = []
         self._register_hooks(p for group in optimizer.param_groups for p in group["params"])
 

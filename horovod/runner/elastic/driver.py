@@ -31,6 +31,7 @@ import time
 from typing import Any
 
 from horovod.common import auth
+from horovod.common.config import ENV_VARS, format_number, read_env
 from horovod.runner import hosts as hosts_mod
 from horovod.runner import spawn
 from horovod.runner.elastic.discovery import (
@@ -48,8 +49,7 @@ logger = logging.getLogger(__name__)
 
 RESET_LIMIT_MESSAGE = "Horovod was shutdown because number of resets during elastic job exceeded limit: {}"
 NO_PREVIOUS_HOSTS_MESSAGE = "No hosts from previous set remaining, unable to broadcast state."
-DEFAULT_ELASTIC_TIMEOUT = 600
-DEFAULT_GRACE_SECONDS = 30.0
+DEFAULT_GRACE_SECONDS = ENV_VARS["HOROVOD_ELASTIC_GRACE_SECONDS"].default
 """After one worker left a generation, how long the others may take to leave too before they count as hung."""
 
 _TICK = 0.1
@@ -112,7 +112,7 @@ class ElasticDriver:
         self.stop_event = stop_event
         self.ssh_options = ssh_options
         if grace is None:
-            grace = float(os.environ.get("HOROVOD_ELASTIC_GRACE_SECONDS", DEFAULT_GRACE_SECONDS))
+            grace = read_env("HOROVOD_ELASTIC_GRACE_SECONDS", base_env)
         self.grace = grace
         self.key = auth.make_secret_key()
         self.server: Any = None
@@ -350,7 +350,7 @@ class ElasticDriver:
         for name in _RANK_VARS:
             env.pop(name, None)
         env.update({"HOROVOD_ELASTIC": "1", "HOROVOD_ELASTIC_SLOT": slot,
-                    "HOROVOD_ELASTIC_TIMEOUT": str(int(self.elastic_timeout))})
+                    "HOROVOD_ELASTIC_TIMEOUT": format_number(self.elastic_timeout)})
         return env
 
     def _spawner(self, host: str) -> spawn.Spawner:
@@ -429,7 +429,7 @@ def run_elastic(args: argparse.Namespace, stop_event: threading.Event | None = N
         RuntimeError: the job failed (see :meth:`ElasticDriver.run`).
     """
     from horovod.runner import knobs as knobs_mod
-    from horovod.runner.launch import DEFAULT_START_TIMEOUT, _command, _nics
+    from horovod.runner.launch import _command, _nics, _start_timeout
 
     knobs_mod.validate_knob_args(args)
     if getattr(args, "run_func", None) is not None:
@@ -450,18 +450,19 @@ def run_elastic(args: argparse.Namespace, stop_event: threading.Event | None = N
     if max_np is not None:
         num_proc = min(num_proc, max_np)
     discovery = _discovery(args)
-    start_timeout = args.start_timeout
-    if start_timeout is None:
-        start_timeout = int(os.environ.get("HOROVOD_START_TIMEOUT", DEFAULT_START_TIMEOUT))
+    base = dict(args.env if getattr(args, "env", None) is not None else os.environ)
+    start_timeout = _start_timeout(args)
     elastic_timeout = args.elastic_timeout
     if elastic_timeout is None:
-        elastic_timeout = int(os.environ.get("HOROVOD_ELASTIC_TIMEOUT", DEFAULT_ELASTIC_TIMEOUT))
+        elastic_timeout = read_env("HOROVOD_ELASTIC_TIMEOUT", base)
+    for dest, value in (("start_timeout", start_timeout), ("elastic_timeout", elastic_timeout)):
+        if value == 0:
+            raise ValueError(f"{dest}=0 must be > 0")
     ssh_options = None
     if getattr(args, "ssh_port", None) or getattr(args, "ssh_identity_file", None):
         from horovod.runner.ssh import SshOptions
 
         ssh_options = SshOptions(port=args.ssh_port, identity_file=args.ssh_identity_file)
-    base = dict(args.env if getattr(args, "env", None) is not None else os.environ)
     driver = ElasticDriver(
         discovery, _command(args), num_proc=num_proc, min_np=min_np, max_np=max_np, base_env=base,
         knobs=knobs_mod.knob_env(args), start_timeout=start_timeout, elastic_timeout=elastic_timeout,

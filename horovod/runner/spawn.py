@@ -7,14 +7,27 @@ way and gets the same output forwarding and failure handling.
 
 Every worker runs in its own session (process group), so that on failure or Ctrl-C the whole tree of each
 worker -- including processes it started -- is terminated: SIGTERM to the group, a grace period, SIGKILL.
+
+A local worker runs under a watchdog process (:mod:`horovod.runner._watchdog`, a few lines of standalone
+Python started as ``python -I <path>``) that leads the worker's process group and holds a pipe from the
+launcher (its stdin).  When that pipe closes while the worker runs -- the launcher was killed, even with
+SIGKILL, so nobody else would clean up -- the watchdog terminates the whole group (SIGTERM,
+:data:`ORPHAN_GRACE` seconds, SIGKILL), grandchildren included, whatever the command is.  It is otherwise
+invisible: the worker inherits its stdout/stderr pipes, the group's signals reach the worker directly, and
+the watchdog exits with the worker's status (dying of the same signal).  When the worker exits, what it
+left running in its group is killed.  Remote workers run under the same script over ssh
+(:mod:`horovod.runner.ssh`), there with the worker in a group of its own.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import json
 import logging
 import os
 import queue
+import shutil
 import signal
 import subprocess
 import sys
@@ -25,12 +38,27 @@ from typing import BinaryIO
 
 from horovod.runner.output import OutputSink, forward_stream, rank_dir_name
 
-__all__ = ["WorkerSpec", "JobFailure", "spawn_local", "run_workers", "failure_message", "TERMINATE_GRACE"]
+__all__ = ["WorkerSpec", "JobFailure", "spawn_local", "run_workers", "failure_message", "TERMINATE_GRACE",
+           "WATCHDOG_PATH", "watchdog_source", "ORPHAN_GRACE"]
 
 logger = logging.getLogger(__name__)
 
 TERMINATE_GRACE = 5.0
 """Seconds between SIGTERM and SIGKILL when workers are stopped."""
+
+ORPHAN_GRACE = max(1.0, TERMINATE_GRACE - 1.0)
+"""Seconds the watchdog gives its worker between SIGTERM and SIGKILL once the launcher is gone (less than
+:data:`TERMINATE_GRACE`, so a launcher that closes the pipe and then signals never races it)."""
+
+WATCHDOG_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_watchdog.py")
+"""The standalone script every worker runs under (:mod:`horovod.runner._watchdog`)."""
+
+
+@functools.lru_cache(maxsize=1)
+def watchdog_source() -> str:
+    """The watchdog's text, for hosts where it runs with ``python -c`` (ssh)."""
+    with open(WATCHDOG_PATH, encoding="utf-8") as f:
+        return f.read()
 
 
 @dataclasses.dataclass
@@ -89,13 +117,38 @@ def _signal_name(signum: int) -> str:
 
 
 def spawn_local(spec: WorkerSpec) -> subprocess.Popen:
-    """Start ``spec`` on this host in a new session, with piped stdout/stderr."""
-    if isinstance(spec.command, str):
-        argv = ["/bin/sh", "-c", spec.command]
+    """Start ``spec`` on this host under the watchdog in a new session, with piped stdout/stderr.
+
+    The returned process is the watchdog: it leads the group, and exits with the worker's status.  Its
+    stdin stays open for the launcher's lifetime; closing it (or the launcher dying) ends the worker.
+
+    Raises:
+        FileNotFoundError: the command's program does not exist (as ``subprocess.Popen`` would).
+    """
+    command = spec.command if isinstance(spec.command, str) else list(spec.command)
+    if not isinstance(command, str):
+        _check_program(command[0], spec.env, spec.cwd)
+    proc = subprocess.Popen([sys.executable, "-I", WATCHDOG_PATH], env=spec.env, cwd=spec.cwd,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            start_new_session=True)
+    assert proc.stdin is not None
+    try:
+        proc.stdin.write(json.dumps({"command": command, "grace": ORPHAN_GRACE, "local": True}).encode() + b"\n")
+        proc.stdin.flush()
+    except BrokenPipeError:  # the watchdog died at start; its exit status and stderr tell why
+        pass
+    return proc
+
+
+def _check_program(program: str, env: dict[str, str], cwd: str | None) -> None:
+    # The watchdog would only report a missing program through its exit status (127); fail as Popen does.
+    if os.sep in program:
+        path = program if os.path.isabs(program) else os.path.join(cwd or os.getcwd(), program)
+        found = path if os.access(path, os.X_OK) and not os.path.isdir(path) else None
     else:
-        argv = list(spec.command)
-    return subprocess.Popen(argv, env=spec.env, cwd=spec.cwd, stdin=subprocess.DEVNULL,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+        found = shutil.which(program, path=env.get("PATH", os.defpath))
+    if found is None:
+        raise FileNotFoundError(2, "No such file or directory", program)
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:
@@ -220,6 +273,13 @@ def run_workers(specs: Sequence[WorkerSpec], spawner: Spawner = spawn_local,
         # Interrupted, KeyboardInterrupt, a spawn error: leave no worker behind.
         terminate_workers(procs)
         raise
+    finally:
+        for proc in procs:  # every worker has exited: release the watchdogs' lifelines
+            if proc.stdin is not None:
+                try:
+                    proc.stdin.close()
+                except OSError:
+                    pass
 
 
 def _forward_and_close(src: BinaryIO, sink: OutputSink, rank: int, name: str, *, timestamp: bool,

@@ -8,7 +8,8 @@ the worker in its own process group and keeps reading its stdin: end of file mea
 gone (the launcher closed it, was killed, or the network broke), and the wrapper then terminates the whole
 remote process group (SIGTERM, a grace period, SIGKILL).  It also kills what is left of the group when the
 worker exits, so no remote process outlives the job.  The worker's stdout/stderr are the ssh channel's, and
-the supervisor prefixes them per rank exactly as local output.
+the supervisor prefixes them per rank exactly as local output.  The wrapper is the watchdog that local
+workers run under too (:mod:`horovod.runner._watchdog`, sent as text: it needs nothing but Python).
 """
 
 from __future__ import annotations
@@ -24,9 +25,9 @@ import sys
 from collections.abc import Mapping, Sequence
 
 from horovod.runner.mpi_run import is_exportable
-from horovod.runner.spawn import TERMINATE_GRACE, WorkerSpec
+from horovod.runner.spawn import ORPHAN_GRACE, WorkerSpec, watchdog_source
 
-__all__ = ["SshOptions", "ssh_command", "check_hosts", "SshSpawner", "remote_env", "REMOTE_WRAPPER"]
+__all__ = ["SshOptions", "ssh_command", "check_hosts", "SshSpawner", "remote_env"]
 
 logger = logging.getLogger(__name__)
 
@@ -34,51 +35,6 @@ logger = logging.getLogger(__name__)
 _NOT_REMOTE = {"HOSTNAME", "SSH_CLIENT", "SSH_CONNECTION", "SSH_TTY", "SSH_AUTH_SOCK", "DISPLAY", "TERM",
                "XDG_RUNTIME_DIR", "XDG_SESSION_ID"}
 
-REMOTE_WRAPPER = r"""
-import json, os, signal, subprocess, sys, threading, time
-cfg = json.loads(sys.stdin.buffer.readline())
-host = os.uname().nodename
-try:
-    os.chdir(cfg["cwd"])
-except OSError as e:
-    sys.stderr.write("horovodrun: cannot change to %s on %s: %s\n" % (cfg["cwd"], host, e))
-    sys.exit(127)
-cmd = cfg["command"]
-argv = ["/bin/sh", "-c", cmd] if isinstance(cmd, str) else cmd
-try:
-    p = subprocess.Popen(argv, env=cfg["env"], stdin=subprocess.DEVNULL, start_new_session=True)
-except OSError as e:
-    sys.stderr.write("horovodrun: cannot start %s on %s: %s\n" % (argv[0], host, e))
-    sys.exit(127)
-lock = threading.Lock()
-def kill_group(grace):
-    with lock:
-        try:
-            os.killpg(p.pid, signal.SIGTERM)
-        except OSError:
-            return
-        end = time.monotonic() + grace
-        while p.poll() is None and time.monotonic() < end:
-            time.sleep(0.02)
-        try:
-            os.killpg(p.pid, signal.SIGKILL)
-        except OSError:
-            pass
-def on_signal(signum, frame):
-    kill_group(cfg["grace"])
-    os._exit(128 + signum)
-for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
-    signal.signal(s, on_signal)
-def watch():
-    while sys.stdin.buffer.read1(65536):
-        pass
-    kill_group(cfg["grace"])
-threading.Thread(target=watch, daemon=True).start()
-rc = p.wait()
-kill_group(0)
-sys.stdout.flush()
-os._exit(rc if rc >= 0 else 128 - rc)
-"""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,15 +120,15 @@ class SshSpawner:
     """Start a :class:`WorkerSpec` on ``spec.hostname`` over ssh (a spawner for ``spawn.run_workers``)."""
 
     def __init__(self, options: SshOptions, python: str | None = None,
-                 grace: float = max(1.0, TERMINATE_GRACE - 1.0)) -> None:
+                 grace: float = ORPHAN_GRACE) -> None:
         self.options = options
         self.python = python or sys.executable
         self.grace = grace
 
     def __call__(self, spec: WorkerSpec) -> subprocess.Popen:
         payload = {"cwd": spec.cwd or os.getcwd(), "command": spec.command if isinstance(spec.command, str)
-                   else list(spec.command), "env": remote_env(spec.env), "grace": self.grace}
-        remote = f"{shlex.quote(self.python)} -u -c {shlex.quote(REMOTE_WRAPPER)}"
+                   else list(spec.command), "env": remote_env(spec.env), "grace": self.grace, "local": False}
+        remote = f"{shlex.quote(self.python)} -u -c {shlex.quote(watchdog_source())}"
         proc = _SshProcess(ssh_command(spec.hostname, self.options, remote), stdin=subprocess.PIPE,
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
         assert proc.stdin is not None

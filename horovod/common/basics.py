@@ -36,17 +36,31 @@ _lock = threading.RLock()
 _engine: Engine | None = None
 _static_sets: list[ProcessSet] = []
 _dynamic_counter = 0
-_init_count = 0
+# Upstream's flag: True from a successful init() until this process calls shutdown().  A shutdown started by
+# another rank stops the engine (operations then fail with ShutdownError) but leaves the flag set, so init()
+# stays a no-op until this rank's own shutdown(): every rank starts a new generation only through its own
+# shutdown()/init() pair, never because a peer's shutdown happened to arrive first.
+_initialized = False
+# init() attempts so far (failed ones too): attempt g meets the other ranks in the store scope ``init.<g>``,
+# so ranks that call init()/shutdown() equally often agree on the generation; bootstrap names any mismatch.
+_generation = 0
 _atexit_registered = False
 _mpi = None  # horovod.transport.mpi.MpiJob while running under MPI
 
 
 def init(comm=None, process_sets: Sequence[ProcessSet] | str | None = None) -> None:
-    """Start Horovod in this process (idempotent while running; may be called again after shutdown)."""
-    global _engine, _static_sets, _dynamic_counter, _init_count, _atexit_registered, _mpi
+    """Start Horovod in this process.
+
+    A no-op until this process calls shutdown(), also when another rank's shutdown (or failure) already
+    stopped the engine, as upstream; after shutdown() it starts a new generation of the job, which every
+    rank must join with its own shutdown()/init() (a rank that does not is named in the error).
+    """
+    global _engine, _static_sets, _dynamic_counter, _initialized, _generation, _atexit_registered, _mpi
     with _lock:
-        if _engine is not None and not _engine.stopped.is_set():
+        if _initialized:
             return
+        _generation += 1
+        gen = _generation
         if isinstance(process_sets, str):
             if process_sets.lower() != "dynamic":
                 raise ValueError(f"Unknown process_sets value: {process_sets!r}")
@@ -60,7 +74,7 @@ def init(comm=None, process_sets: Sequence[ProcessSet] | str | None = None) -> N
         try:
             sets = _register_static_sets(list(process_sets or []), topology.size)
             if topology.size > 1 and mesh is None:
-                mesh = bootstrap.build_mesh(topology, sets, f"init.{_init_count}", mpi)
+                mesh = bootstrap.build_mesh(topology, sets, gen, mpi)
             engine = Engine(topology, config, mesh, {ps.process_set_id: ps.ranks for ps in sets})
         except Exception:
             if mesh is not None:
@@ -73,13 +87,18 @@ def init(comm=None, process_sets: Sequence[ProcessSet] | str | None = None) -> N
         _mpi = mpi
         _static_sets = sets
         _dynamic_counter = 0
-        _init_count += 1
+        _initialized = True
         naming.reset()
         global_process_set.ranks = list(range(topology.size))
         global_process_set.process_set_id = 0
         if not _atexit_registered:
             atexit.register(shutdown)
             _atexit_registered = True
+
+
+def generation() -> int:
+    """How many times this process has tried to init() (the job generation it is, or was last, part of)."""
+    return _generation
 
 
 def _register_static_sets(sets: list[ProcessSet], world_size: int) -> list[ProcessSet]:
@@ -102,10 +121,15 @@ def _register_static_sets(sets: list[ProcessSet], world_size: int) -> list[Proce
 
 
 def shutdown() -> None:
-    """Stop the engine; pending operations fail with the shut-down error.  Safe when not initialized."""
-    global _engine
+    """Stop the engine; pending operations fail with the shut-down error.  Safe when not initialized.
+
+    Ends the generation for every rank (their pending and later operations fail with ShutdownError naming
+    this rank); the next init() starts a new one.
+    """
+    global _initialized
     with _lock:
         engine = _engine
+        _initialized = False
         if engine is None:
             return
         engine.shutdown()
@@ -130,7 +154,8 @@ def engine() -> Engine:
 
 
 def is_initialized() -> bool:
-    return _engine is not None and not _engine.stopped.is_set()
+    """True from init() until this process's shutdown() (a peer's shutdown does not change it, as upstream)."""
+    return _initialized
 
 
 def _topo() -> Topology:

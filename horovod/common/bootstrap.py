@@ -10,13 +10,17 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import threading
+import time
 
 from horovod.common import auth
 from horovod.common.config import read_env, start_timeout
 from horovod.common.process_sets import ProcessSet
 from horovod.runtime.engine import Topology
+from horovod.transport.communicator import PeerFailure
 
-__all__ = ["topology_from_env", "topology_from_mpi", "use_mpi", "mpi_job", "elastic_mesh", "build_mesh"]
+__all__ = ["topology_from_env", "topology_from_mpi", "use_mpi", "mpi_job", "elastic_mesh", "build_mesh",
+           "GenerationMismatch"]
 
 log = logging.getLogger(__name__)
 
@@ -99,14 +103,121 @@ def _interface_address(name: str) -> str | None:
     return None
 
 
-def build_mesh(topology: Topology, sets: list[ProcessSet], scope: str, mpi=None):
-    """Connect this rank to every other one (through MPI, or through the launcher's store)."""
-    import json
+class GenerationMismatch(PeerFailure):
+    """A peer is not in this rank's generation of ``init()`` (or reported that its ``init()`` failed).
 
+    ``peer`` is that rank; the message names both generations.  Raised instead of waiting out the start
+    timeout when the peer has already moved past this generation or failed it, else at the timeout.
+    """
+
+    def __init__(self, peer: int, message: str) -> None:
+        ConnectionError.__init__(self, message)
+        self.peer = peer
+        self.reason = message
+
+
+_STATE_KEY = "init/state.{rank}"  # JSON {"generation": g, "error": text or null}, overwritten every attempt
+_POLL = 0.5  # seconds between looks at a missing peer's state while waiting for one of its keys
+
+
+def _key_rank(key: str) -> int | None:
+    """The rank whose key this is: keys of one generation end in ``.<rank>`` (``init.3/addr.1``)."""
+    _, dot, tail = key.rpartition(".")
+    return int(tail) if dot and tail.isdigit() else None
+
+
+class _GenerationStore:
+    """The store as one ``init()`` generation sees it: a wait for a peer's key names a generation mismatch.
+
+    Ranks meet in the scope ``init.<g>`` of their own ``init()`` count ``g``.  While a key of a peer is
+    missing, the peer's last published state says why: it already moved past ``g`` (or failed ``g``), so
+    the key will never come -> :class:`GenerationMismatch` at once; it is still before ``g`` when the
+    deadline passes -> :class:`GenerationMismatch` naming both generations, not a bare store timeout.
+    """
+
+    def __init__(self, store, rank: int, generation: int) -> None:
+        self._store = store
+        self.rank = rank
+        self.generation = generation
+        self.addr = getattr(store, "addr", None)
+
+    def put(self, key: str, value: bytes) -> None:
+        self._store.put(key, value)
+
+    def get(self, key: str, timeout: float | None = None) -> bytes:
+        from horovod.transport.store import StoreError
+
+        wait = getattr(self._store, "timeout", 30.0) if timeout is None else timeout
+        deadline = time.monotonic() + wait
+        peer = _key_rank(key)
+        while True:
+            try:
+                return self._store.get(key, timeout=max(0.0, min(_POLL, deadline - time.monotonic())))
+            except StoreError as e:
+                if not str(e).startswith("timed out waiting") or peer is None:
+                    raise
+                timed_out = e
+            state = self.peer_state(peer)
+            gen = state.get("generation") if state else None
+            moved_on = isinstance(gen, int) and gen > self.generation
+            failed = gen == self.generation and state.get("error")
+            expired = time.monotonic() >= deadline
+            if not (moved_on or failed or expired):
+                continue
+            try:  # the key may have arrived between the two looks (the peer puts it before moving on)
+                return self._store.get(key, timeout=0)
+            except StoreError:
+                pass
+            if failed:
+                raise GenerationMismatch(peer, f"Horovod initialization failed: rank {peer} failed to "
+                                               f"initialize generation {gen}: {state['error']}")
+            if moved_on or gen != self.generation:
+                where = "never called init()" if gen is None else f"is at generation {gen} of init()"
+                raise GenerationMismatch(
+                    peer, f"Horovod initialization failed: rank {peer} {where} while rank {self.rank} waited "
+                          f"{wait:.0f} s at generation {self.generation}: every rank must call hvd.init() and "
+                          f"hvd.shutdown() the same number of times (did an init() fail, or a rank skip one?)")
+            raise timed_out
+
+    def peer_state(self, peer: int) -> dict | None:
+        """What ``peer`` published about its latest ``init()`` attempt (None: nothing yet)."""
+        import json
+
+        from horovod.transport.store import StoreError
+
+        try:
+            state = json.loads(self._store.get(_STATE_KEY.format(rank=peer), timeout=0))
+        except (StoreError, ValueError):
+            return None
+        return state if isinstance(state, dict) else None
+
+    def publish(self, error: str | None = None) -> None:
+        """Tell the other ranks which generation this rank is in (and, on failure, why it left it)."""
+        import json
+
+        self._store.put(_STATE_KEY.format(rank=self.rank),
+                        json.dumps({"generation": self.generation, "error": error}).encode())
+
+    def forget_previous(self) -> None:
+        """Delete this rank's keys of the previous generation: every peer has left it once this one formed."""
+        if self.generation > 1:
+            try:
+                for name in ("process_sets", "addr"):
+                    self._store.delete(f"init.{self.generation - 1}/{name}.{self.rank}")
+            except Exception as e:  # noqa: BLE001 - only tidiness of the store
+                log.debug("could not delete generation %d's store keys: %s", self.generation - 1, e)
+
+
+def build_mesh(topology: Topology, sets: list[ProcessSet], generation: int, mpi=None):
+    """Connect this rank to every other one for ``init()`` number ``generation`` (through MPI or the store).
+
+    Raises GenerationMismatch (naming the peer and both generations) when the ranks are not in the same
+    generation: fast when the peer already left it, else at the start timeout.
+    """
     from horovod.transport import build_mesh as connect
-    from horovod.transport.mesh import advertise_address
     from horovod.transport.store import StoreClient
 
+    scope = f"init.{generation}"
     if mpi is not None:
         from horovod.transport.mpi import MpiStore
 
@@ -128,13 +239,36 @@ def build_mesh(topology: Topology, sets: list[ProcessSet], scope: str, mpi=None)
         raise ValueError("Horovod initialization failed: HOROVOD_SIZE > 1 but no rendezvous address or secret "
                          "key in the environment. Start the job with horovodrun.")
     timeout = start_timeout()
-    store = StoreClient(addr, int(port), key, timeout=timeout)
+    store = _GenerationStore(StoreClient(addr, int(port), key, timeout=timeout), topology.rank, generation)
+    store.publish()
+    try:
+        mesh = _meet(topology, sets, store, key, scope, timeout, addr)
+    except Exception as e:
+        try:  # peers waiting for this rank's keys fail at once with the cause instead of at their deadline
+            store.publish(error=f"{type(e).__name__}: {e}"[:2000])
+        except Exception:  # noqa: BLE001 - best effort: they still fail at their own deadline
+            pass
+        raise
+    # Off the init path (two store round trips): only tidiness, so that re-init loops do not grow the store.
+    threading.Thread(target=store.forget_previous, name="horovod-forget-keys", daemon=True).start()
+    return mesh
+
+
+def _meet(topology: Topology, sets: list[ProcessSet], store: _GenerationStore, key: bytes, scope: str,
+          timeout: float, addr: str):
+    """Compare the static process sets, then form the mesh, all through the launcher's store."""
+    import json
+
+    from horovod.transport import build_mesh as connect
+    from horovod.transport.mesh import advertise_address
+
+    deadline = time.monotonic() + timeout
     # Every rank must pass the same static process sets: rank 0 compares everyone's, the others rank 0's.
     mine = json.dumps([ps.ranks for ps in sets]).encode()
     store.put(f"{scope}/process_sets.{topology.rank}", mine)
     others = range(1, topology.size) if topology.rank == 0 else [0]
     for r in others:
-        theirs = store.get(f"{scope}/process_sets.{r}", timeout=timeout)
+        theirs = store.get(f"{scope}/process_sets.{r}", timeout=max(0.0, deadline - time.monotonic()))
         if theirs != mine:
             raise ValueError("Horovod initialization failed: ranks passed different process_sets to init() "
                              f"(rank {topology.rank}: {mine.decode()}, rank {r}: {theirs.decode()}).")
@@ -147,4 +281,4 @@ def build_mesh(topology: Topology, sets: list[ProcessSet], scope: str, mpi=None)
                     topology.hostname, addr)
     iface_addr = iface_addr or advertise_address(None, addr, topology.hostname)
     return connect(topology.rank, topology.size, topology.hostname, store, key, scope=scope, timeout=timeout,
-                      iface_addr=iface_addr)
+                   iface_addr=iface_addr)

@@ -144,7 +144,7 @@ class Engine:
 
     def _shutdown_message(self) -> str:
         reason = self._stop_reason
-        if reason is None or reason.endswith("called shutdown()"):
+        if reason is None or reason == f"rank {self.rank} called shutdown()":  # our own: upstream's exact text
             return SHUT_DOWN_MESSAGE
         return f"{SHUT_DOWN_MESSAGE} Cause: {reason}"
 

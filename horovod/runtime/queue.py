@@ -109,6 +109,9 @@ class TensorQueue:
         self._in_flight: dict[tuple[int, str], TensorEntry] = {}
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
+        # Guards the pipe's descriptors against close(): a write or close after close() would hit whatever
+        # reused the number since (e.g. a socket of the next init() generation).
+        self._fd_lock = threading.Lock()
         self._signalled = False
 
     @property
@@ -134,10 +137,13 @@ class TensorQueue:
         return None
 
     def _poke(self) -> None:
-        try:
-            os.write(self._wake_w, b"\0")
-        except OSError:  # closed: the engine has exited and fails whatever is left
-            pass
+        with self._fd_lock:
+            if self._wake_w < 0:  # closed: the engine has exited and fails whatever is left
+                return
+            try:
+                os.write(self._wake_w, b"\0")
+            except OSError:
+                pass
 
     def caller_blocking(self) -> None:
         """A framework thread is about to wait for a result: end the engine's gather window now."""
@@ -182,7 +188,12 @@ class TensorQueue:
         return entries
 
     def close(self) -> None:
-        for fd in (self._wake_r, self._wake_w):
+        """Close the wake pipe (idempotent: the descriptors are closed exactly once)."""
+        with self._fd_lock:
+            fds, self._wake_r, self._wake_w = (self._wake_r, self._wake_w), -1, -1
+        for fd in fds:
+            if fd < 0:
+                continue
             try:
                 os.close(fd)
             except OSError:

@@ -8,13 +8,15 @@ path can be exercised on one machine.
 
 Handshake on every connection (frames of :mod:`horovod.transport.wire`)::
 
-    server -> client  HELLO  s_nonce
-    client -> server  AUTH   rank u32, kind u8, c_nonce, HMAC(key, "client", s_nonce, c_nonce, info)
+    server -> client  HELLO  s_nonce, scope
+    client -> server  AUTH   rank u32, kind u8, c_nonce, HMAC(key, "client", s_nonce, c_nonce, info), scope
     server -> client  OK     HMAC(key, "server", c_nonce, s_nonce, info)
 
-``info`` binds the scope, both ranks and the channel kind, so a digest cannot be replayed elsewhere.  A
-connection that fails, sends garbage or stays silent is closed with a warning and the listener goes on
-accepting the real peers until the deadline.
+``info`` binds the scope, both ranks and the channel kind, so a digest cannot be replayed elsewhere.  The
+scope also travels in clear (it is no secret) so that a connection between two meshes -- e.g. generations
+``init.4`` and ``init.5`` of ``hvd.init()``, when a port was reused -- is refused with both names instead
+of a bare authentication failure.  A connection that fails, sends garbage or stays silent is closed with a
+warning and the listener goes on accepting the real peers until the deadline.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ DATA = 1
 _KIND_NAMES = {CTRL: "ctrl", DATA: "data"}
 _HELLO, _AUTH, _OK = 0xF1, 0xF2, 0xF3
 _AUTH_FMT = struct.Struct(f"!IB{auth.NONCE_SIZE}s{auth.DIGEST_SIZE}s")
+_MAX_SCOPE = 256  # bytes of the scope name carried in clear in HELLO and AUTH
 # A connecting peer answers at once; a silent or slow stranger may hold the listener this long at most.
 _HANDSHAKE_TIMEOUT = 2.0
 
@@ -105,25 +108,37 @@ def _info(scope: str, client: int, server: int, kind: int) -> bytes:
 
 
 def _client_handshake(ch: Channel, key: bytes, scope: str, rank: int, server: int, kind: int) -> None:
-    k, server_nonce = ch.recv_msg(max_len=auth.NONCE_SIZE)
-    if k != _HELLO or len(server_nonce) != auth.NONCE_SIZE:
+    k, hello = ch.recv_msg(max_len=auth.NONCE_SIZE + _MAX_SCOPE)
+    if k != _HELLO or len(hello) < auth.NONCE_SIZE:
         raise WireError(f"rank {server} did not greet with a nonce")
+    server_nonce, their_scope = hello[:auth.NONCE_SIZE], hello[auth.NONCE_SIZE:]
+    if their_scope != _scope_bytes(scope):
+        raise WireError(f"rank {server} at that address is in mesh {their_scope.decode(errors='replace')!r}, "
+                        f"rank {rank} in {scope!r}: the ranks are in different generations of the job")
     client_nonce = auth.nonce()
     info = _info(scope, rank, server, kind)
     proof = auth.digest(key, b"client", server_nonce, client_nonce, info)
-    ch.send_msg(_AUTH, _AUTH_FMT.pack(rank, kind, client_nonce, proof))
+    ch.send_msg(_AUTH, _AUTH_FMT.pack(rank, kind, client_nonce, proof) + _scope_bytes(scope))
     k, answer = ch.recv_msg(max_len=auth.DIGEST_SIZE)
     if k != _OK or not auth.verify(key, answer, b"server", client_nonce, server_nonce, info):
         raise WireError(f"rank {server} failed to prove the job key")
 
 
+def _scope_bytes(scope: str) -> bytes:
+    return scope.encode()[:_MAX_SCOPE]
+
+
 def _server_handshake(ch: Channel, key: bytes, scope: str, rank: int) -> tuple[int, int]:
     server_nonce = auth.nonce()
-    ch.send_msg(_HELLO, server_nonce)
-    k, payload = ch.recv_msg(max_len=_AUTH_FMT.size)
-    if k != _AUTH or len(payload) != _AUTH_FMT.size:
+    ch.send_msg(_HELLO, server_nonce + _scope_bytes(scope))
+    k, payload = ch.recv_msg(max_len=_AUTH_FMT.size + _MAX_SCOPE)
+    if k != _AUTH or len(payload) < _AUTH_FMT.size:
         raise WireError(f"expected an AUTH frame, got kind {k} with {len(payload)} bytes")
-    client, kind, client_nonce, proof = _AUTH_FMT.unpack(payload)
+    client, kind, client_nonce, proof = _AUTH_FMT.unpack(payload[:_AUTH_FMT.size])
+    their_scope = payload[_AUTH_FMT.size:]
+    if their_scope != _scope_bytes(scope):
+        raise WireError(f"connection claiming rank {client} is for mesh {their_scope.decode(errors='replace')!r}, "
+                        f"rank {rank} is in {scope!r} (a rank of another generation of the job)")
     info = _info(scope, client, rank, kind)
     if not auth.verify(key, proof, b"client", server_nonce, client_nonce, info):
         raise WireError(f"connection claiming rank {client} failed authentication")
@@ -251,6 +266,8 @@ def build_mesh(rank: int, size: int, hostname: str, store: Store, key: bytes, *,
                 remaining = max(0.0, deadline - time.monotonic())
                 try:
                     records[peer] = json.loads(store.get(f"{scope}/addr.{peer}", timeout=remaining))
+                except PeerFailure:  # the store already named the peer and the cause
+                    raise
                 except Exception as e:
                     raise PeerFailure(peer, f"no address in the rendezvous store within {timeout} s: {e}") \
                         from e

@@ -15,7 +15,8 @@ ROOT = Path(__file__).resolve().parent.parent
 PARALLEL = ROOT / "tests" / "parallel"
 FILES = sorted(p.name for p in PARALLEL.glob("test_tensorflow_*.py")) + \
     sorted(p.name for p in PARALLEL.glob("test_keras_*.py"))
-CASES = [(2, f, None) for f in FILES] + [(3, "test_tensorflow_ops.py", "(allreduce and float32) or process_sets")]
+CASES = [(2, f, None) for f in FILES] + [(3, "test_tensorflow_ops.py", "(allreduce and float32) or process_sets"),
+                                         (3, "test_tensorflow_many_collectives.py", "opposite_orders")]
 
 
 def _env():

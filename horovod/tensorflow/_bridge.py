@@ -6,15 +6,13 @@ Graph mode splits every collective in two ops so that no TensorFlow thread is ev
 that another rank cannot finish yet:
 
 * **submit** (a stateful ``tf.numpy_function``) enqueues the numpy views of the inputs and returns at once;
-* **receive** delivers the result.  Inside ``tf.function`` (the TF2 case: Keras ``fit``, custom loops) it is a
-  ``FIFOQueue.dequeue`` -- an asynchronous kernel that holds no inter-op thread while it waits -- fed by a
-  completer thread that waits for the engine handles in submit order.  Two ranks that run independent
-  collectives in different orders therefore always make progress, whatever the size of the inter-op pool:
-  every submit runs, and the engine matches requests by name.  In TF1 graphs (``tf.compat.v1.Session``) the
-  queue would live in the session's resource manager, which Python cannot reach from outside a ``run``
-  call, so receive is a ``numpy_function`` that waits; submits still never block, so independent
-  collectives only deadlock if more of them are waiting than the session has inter-op threads *and* the
-  ranks scheduled them in different orders (with one thread the executor's order is deterministic).
+* **receive** is a ``FIFOQueue.dequeue`` -- an asynchronous kernel that holds no inter-op thread while it
+  waits -- fed by a completer thread that waits for the engine handles in submit order.  Two ranks that run
+  independent collectives in different orders therefore always make progress, whatever the size of the
+  inter-op pool: every submit runs, and the engine matches requests by name.  Inside ``tf.function`` (the TF2
+  case: Keras ``fit``, custom loops) the queue is an eager resource the completer fills directly; in TF1
+  graphs (``tf.compat.v1.Session``) it lives in the session, and :mod:`horovod.tensorflow._session_bridge`
+  fills it through that session.
 
 Errors: eager raises upstream's ``tf.errors`` types.  In graph mode TensorFlow turns every Python exception
 of a ``numpy_function`` into ``UnknownError`` except ``ValueError`` (``InvalidArgumentError``); the message
@@ -33,6 +31,7 @@ import numpy as np
 import tensorflow as tf
 
 from horovod.common.exceptions import AbortedError, HorovodInternalError, PreconditionError, ShutdownError
+from horovod.tensorflow import _session_bridge
 
 __all__ = ["run_collective", "to_tf_error", "aligned_empty", "as_tf_tensor", "direct_output_ok"]
 
@@ -40,6 +39,7 @@ log = logging.getLogger(__name__)
 
 Finish = Callable[[], list]
 Submit = Callable[[list], Finish]
+Deliver = Callable[[list, int], None]
 
 
 def to_tf_error(e: BaseException) -> BaseException:
@@ -78,7 +78,7 @@ def _as_numpy(t: tf.Tensor) -> np.ndarray:
 
 
 class _Completer:
-    """Waits for engine handles in submit order and pushes results into per-site TF queues (eager ops)."""
+    """Waits for engine handles in submit order and hands each result (or error id) to its receive queue."""
 
     def __init__(self) -> None:
         self._work: _queue.SimpleQueue = _queue.SimpleQueue()
@@ -87,12 +87,12 @@ class _Completer:
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
 
-    def put(self, finish: Finish, tf_queue, dtypes: list[np.dtype]) -> None:
+    def put(self, finish: Finish, deliver: Deliver, dtypes: list[np.dtype]) -> None:
         with self._lock:
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name="horovod-tf-completer", daemon=True)
                 self._thread.start()
-        self._work.put((finish, tf_queue, dtypes))
+        self._work.put((finish, deliver, dtypes))
 
     def take_error(self, err_id: int) -> BaseException:
         with self._lock:
@@ -100,7 +100,7 @@ class _Completer:
 
     def _run(self) -> None:
         while True:
-            finish, tf_queue, dtypes = self._work.get()
+            finish, deliver, dtypes = self._work.get()
             try:  # TF tensors (as_tf_tensor) travel as they are: no copy into a new tensor
                 outs = [o if isinstance(o, tf.Tensor) else np.asarray(o, dtype=d) for o, d in zip(finish(), dtypes)]
                 err = -1
@@ -110,7 +110,7 @@ class _Completer:
                     self._errors[err] = e
                 outs = [np.zeros(0, d) for d in dtypes]
             try:
-                tf_queue.enqueue([*outs, np.int64(err)])
+                deliver(outs, err)
             except Exception:  # noqa: BLE001 - the queue's owner is gone (function deleted)
                 log.debug("dropping a collective result: its receive queue is gone", exc_info=True)
 
@@ -152,9 +152,6 @@ def direct_output_ok() -> bool:
         if not _direct_ok:
             log.info("horovod.tensorflow: results are copied into TensorFlow tensors (no DLPack import)")
     return _direct_ok
-_pending: dict[int, Finish] = {}
-_tokens = itertools.count(1)
-_pending_lock = threading.Lock()
 
 
 def _queue_path() -> bool:
@@ -173,39 +170,58 @@ def run_collective(submit: Submit, inputs: Sequence[tf.Tensor], out_dtypes: Sequ
             raise to_tf_error(e) from e
         return [tf.convert_to_tensor(np.asarray(o, dtype=d)) for o, d in zip(outs, np_dtypes)]
 
-    use_queue = _queue_path()
-    tf_queue = None
-    if use_queue:
-        with tf.init_scope():
-            tf_queue = tf.queue.FIFOQueue(1 << 16, [*out_dtypes, tf.int64])
+    if _queue_path():
+        return _receive_in_function(submit, inputs, out_dtypes, np_dtypes, name)
+    return _receive_in_session(submit, inputs, out_dtypes, np_dtypes, name)
+
+
+def _check(err):
+    if err >= 0:
+        raise _completer.take_error(int(err))
+    return np.int64(0)
+
+
+def _receive_in_function(submit: Submit, inputs, out_dtypes, np_dtypes, name: str) -> list[tf.Tensor]:
+    """Inside ``tf.function``: an eager queue the completer fills directly."""
+    with tf.init_scope():
+        tf_queue = tf.queue.FIFOQueue(1 << 16, [*out_dtypes, tf.int64])
 
     def do_submit(*arrays):
         finish = submit(list(arrays))
-        if use_queue:
-            _completer.put(finish, tf_queue, np_dtypes)
-            return np.int64(0)
-        with _pending_lock:
-            token = next(_tokens)
-            _pending[token] = finish
-        return np.int64(token)
-
-    def do_wait(token):
-        with _pending_lock:
-            finish = _pending.pop(int(token))
-        return [np.asarray(o, dtype=d) for o, d in zip(finish(), np_dtypes)]
-
-    def check(err):
-        if err >= 0:
-            raise _completer.take_error(int(err))
+        _completer.put(finish, lambda outs, err: tf_queue.enqueue([*outs, np.int64(err)]), np_dtypes)
         return np.int64(0)
 
     with tf.name_scope(name):
         token = tf.numpy_function(_wrap(do_submit), list(inputs), tf.int64, stateful=True, name="submit")
-        if not use_queue:
-            outs = tf.numpy_function(_wrap(do_wait), [token], list(out_dtypes), stateful=True, name="wait")
-            return list(outs) if isinstance(outs, (list, tuple)) else [outs]
         with tf.control_dependencies([token]):
             vals = tf_queue.dequeue(name="receive")
-        ok = tf.numpy_function(_wrap(check), [vals[-1]], tf.int64, stateful=True, name="check")
+        # Not stateful: tf.function chains stateful ops in program order, and a check (which waits for its
+        # dequeue) before the next submit would serialise independent collectives in creation order.
+        ok = tf.numpy_function(_wrap(_check), [vals[-1]], tf.int64, stateful=False, name="check")
         with tf.control_dependencies([ok]):
             return [tf.identity(v) for v in vals[:-1]]
+
+
+def _receive_in_session(submit: Submit, inputs, out_dtypes, np_dtypes, name: str) -> list[tf.Tensor]:
+    """In a TF1 graph: a queue in the running session, filled through that session (see _session_bridge)."""
+    site, run_token = _session_bridge.new_site(out_dtypes)
+
+    def do_submit(token, *arrays):
+        run = _session_bridge.run_token(token)
+        finish = submit(list(arrays))
+        _completer.put(finish, lambda outs, err: _session_bridge.deliver(run, site, outs, err, int(token)),
+                       np_dtypes)
+        return np.int64(0)
+
+    def check(err, token):
+        _session_bridge.consumed(token, site.id)
+        return _check(err)
+
+    with tf.name_scope(name):
+        submitted = tf.numpy_function(_wrap(do_submit), [run_token, *inputs], tf.int64, stateful=True,
+                                      name="submit")
+        with tf.control_dependencies([submitted]):
+            vals = site.queue.dequeue(name="receive")
+        ok = tf.numpy_function(_wrap(check), [vals[-2], vals[-1]], tf.int64, stateful=True, name="check")
+        with tf.control_dependencies([ok]):
+            return [tf.identity(v) for v in vals[:-2]]

@@ -15,8 +15,16 @@ Handshake on every connection (frames of :mod:`horovod.transport.wire`)::
 ``info`` binds the scope, both ranks and the channel kind, so a digest cannot be replayed elsewhere.  The
 scope also travels in clear (it is no secret) so that a connection between two meshes -- e.g. generations
 ``init.4`` and ``init.5`` of ``hvd.init()``, when a port was reused -- is refused with both names instead
-of a bare authentication failure.  A connection that fails, sends garbage or stays silent is closed with a
-warning and the listener goes on accepting the real peers until the deadline.
+of a bare authentication failure.  A server that refuses a proof says so (``REFUSED`` and a short reason)
+so the client fails at once instead of waiting for its deadline.
+
+Nothing a stranger sends can hold up the mesh: one thread per rank drives every pending handshake at once
+(non-blocking sockets and a selector), each connection has a *total* deadline to prove the key
+(``_PREAUTH_TIMEOUT``, not a per-read timeout that a byte every second would keep resetting), at most
+``_MAX_PREAUTH_BYTES`` (one AUTH frame) are read from it before the proof, and at most ``_MAX_PREAUTH``
+connections handshake at once (beyond that the oldest is dropped; a real peer answers in one round trip,
+and a client whose connection was dropped retries until its deadline).  Refused strangers are logged with
+their address and byte count, sanitised and the first few only, and never blamed on a rank.
 """
 
 from __future__ import annotations
@@ -25,7 +33,7 @@ import dataclasses
 import json
 import logging
 import secrets
-import select
+import selectors
 import socket
 import struct
 import threading
@@ -36,7 +44,7 @@ from horovod.common import auth
 from horovod.common.config import env_bool
 from horovod.common.exceptions import WireError
 from horovod.transport.communicator import PeerFailure
-from horovod.transport.wire import Channel
+from horovod.transport.wire import HEADER, MAGIC, VERSION, Channel
 
 __all__ = ["Mesh", "build_mesh", "advertise_address", "CTRL", "DATA"]
 
@@ -45,11 +53,18 @@ logger = logging.getLogger(__name__)
 CTRL = 0
 DATA = 1
 _KIND_NAMES = {CTRL: "ctrl", DATA: "data"}
-_HELLO, _AUTH, _OK = 0xF1, 0xF2, 0xF3
+_HELLO, _AUTH, _OK, _REFUSED = 0xF1, 0xF2, 0xF3, 0xF4
 _AUTH_FMT = struct.Struct(f"!IB{auth.NONCE_SIZE}s{auth.DIGEST_SIZE}s")
 _MAX_SCOPE = 256  # bytes of the scope name carried in clear in HELLO and AUTH
-# A connecting peer answers at once; a silent or slow stranger may hold the listener this long at most.
-_HANDSHAKE_TIMEOUT = 2.0
+_MAX_REASON = 256  # bytes of the reason in a REFUSED frame
+# Before it proves the key a connection may send one AUTH frame and nothing more ...
+_MAX_PREAUTH_BYTES = HEADER.size + _AUTH_FMT.size + _MAX_SCOPE
+# ... within this many seconds in total (a real peer answers HELLO at once) ...
+_PREAUTH_TIMEOUT = 2.0
+# ... and at most this many connections handshake at once; a new one beyond it drops the oldest.
+_MAX_PREAUTH = 64
+# Refusals logged one by one per mesh formation; the rest are counted in one line.
+_LOGGED_REFUSALS = 5
 
 
 class Store(Protocol):
@@ -108,46 +123,96 @@ def _info(scope: str, client: int, server: int, kind: int) -> bytes:
 
 
 def _client_handshake(ch: Channel, key: bytes, scope: str, rank: int, server: int, kind: int) -> None:
+    """Prove the key to rank ``server`` and check its proof.
+
+    Raises:
+        WireError: the server is in another mesh, refused our proof, or failed to prove the key.
+        PeerFailure: the connection closed or timed out before the server answered (retryable).
+    """
     k, hello = ch.recv_msg(max_len=auth.NONCE_SIZE + _MAX_SCOPE)
     if k != _HELLO or len(hello) < auth.NONCE_SIZE:
         raise WireError(f"rank {server} did not greet with a nonce")
     server_nonce, their_scope = hello[:auth.NONCE_SIZE], hello[auth.NONCE_SIZE:]
     if their_scope != _scope_bytes(scope):
-        raise WireError(f"rank {server} at that address is in mesh {their_scope.decode(errors='replace')!r}, "
+        raise WireError(f"rank {server} at that address is in mesh {_shown(their_scope)}, "
                         f"rank {rank} in {scope!r}: the ranks are in different generations of the job")
     client_nonce = auth.nonce()
     info = _info(scope, rank, server, kind)
     proof = auth.digest(key, b"client", server_nonce, client_nonce, info)
     ch.send_msg(_AUTH, _AUTH_FMT.pack(rank, kind, client_nonce, proof) + _scope_bytes(scope))
-    k, answer = ch.recv_msg(max_len=auth.DIGEST_SIZE)
+    k, answer = ch.recv_msg(max_len=max(auth.DIGEST_SIZE, _MAX_REASON))
+    if k == _REFUSED:
+        raise WireError(f"rank {server} refused the connection of rank {rank}: {_shown(answer)} "
+                        f"(do both ranks have the same job key?)")
     if k != _OK or not auth.verify(key, answer, b"server", client_nonce, server_nonce, info):
         raise WireError(f"rank {server} failed to prove the job key")
+
+
+def _shown(raw: bytes | str, limit: int = 80) -> str:
+    """Untrusted bytes made safe to log or raise: truncated, quoted, every control/non-ASCII char escaped."""
+    text = raw.decode("utf-8", "replace") if isinstance(raw, (bytes, bytearray)) else raw
+    return ascii(text[:limit]) + ("..." if len(text) > limit else "")
 
 
 def _scope_bytes(scope: str) -> bytes:
     return scope.encode()[:_MAX_SCOPE]
 
 
-def _server_handshake(ch: Channel, key: bytes, scope: str, rank: int) -> tuple[int, int]:
-    server_nonce = auth.nonce()
-    ch.send_msg(_HELLO, server_nonce + _scope_bytes(scope))
-    k, payload = ch.recv_msg(max_len=_AUTH_FMT.size + _MAX_SCOPE)
-    if k != _AUTH or len(payload) < _AUTH_FMT.size:
-        raise WireError(f"expected an AUTH frame, got kind {k} with {len(payload)} bytes")
+class _Refused(Exception):
+    """A pre-auth connection broke the protocol; the text (already sanitised) says how."""
+
+
+def _check_auth(payload: bytes, key: bytes, scope: str, rank: int, server_nonce: bytes) -> tuple[int, int, bytes]:
+    """Verify an AUTH payload: ``(client rank, kind, our OK digest)``.
+
+    Raises:
+        _Refused: malformed, another mesh's scope, or a proof that does not verify.
+    """
+    if len(payload) < _AUTH_FMT.size:
+        raise _Refused(f"AUTH frame of {len(payload)} bytes")
     client, kind, client_nonce, proof = _AUTH_FMT.unpack(payload[:_AUTH_FMT.size])
     their_scope = payload[_AUTH_FMT.size:]
     if their_scope != _scope_bytes(scope):
-        raise WireError(f"connection claiming rank {client} is for mesh {their_scope.decode(errors='replace')!r}, "
-                        f"rank {rank} is in {scope!r} (a rank of another generation of the job)")
+        raise _Refused(f"connection claiming rank {client} is for mesh {_shown(their_scope)}, rank {rank} is in "
+                       f"{scope!r} (a rank of another generation of the job)")
     info = _info(scope, client, rank, kind)
     if not auth.verify(key, proof, b"client", server_nonce, client_nonce, info):
-        raise WireError(f"connection claiming rank {client} failed authentication")
-    ch.send_msg(_OK, auth.digest(key, b"server", client_nonce, server_nonce, info))
-    return client, kind
+        raise _Refused(f"connection claiming rank {client} failed authentication")
+    return client, kind, auth.digest(key, b"server", client_nonce, server_nonce, info)
+
+
+def _describe(conn: socket.socket, addr: Any) -> str:
+    """Where a connection comes from, for logs: ``host:port``, or the pid/uid of a local AF_UNIX peer."""
+    if conn.family == socket.AF_UNIX:
+        try:
+            pid, uid, _gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                                 struct.calcsize("3i")))
+            return f"local process {pid} (uid {uid}) on the AF_UNIX socket"
+        except (OSError, AttributeError):
+            return "a local process on the AF_UNIX socket"
+    if isinstance(addr, tuple) and len(addr) >= 2:
+        return f"{addr[0]}:{addr[1]}"
+    return _shown(str(addr))
+
+
+class _Pending:
+    """One accepted connection that has not proved the key yet."""
+
+    __slots__ = ("sock", "who", "deadline", "out", "buf", "need", "nonce")
+
+    def __init__(self, sock: socket.socket, who: str, deadline: float, hello: bytes, nonce: bytes) -> None:
+        self.sock, self.who, self.deadline, self.out, self.nonce = sock, who, deadline, hello, nonce
+        self.buf = bytearray()
+        self.need = HEADER.size  # bytes of the AUTH frame known so far to be due (header, then header+payload)
 
 
 class _Acceptor(threading.Thread):
-    """Accepts and authenticates the expected inbound connections on both listeners."""
+    """Accepts the expected inbound connections on both listeners, every handshake in parallel.
+
+    One selector drives all pending connections with non-blocking sockets; each has ``_PREAUTH_TIMEOUT``
+    seconds in total and ``_MAX_PREAUTH_BYTES`` to prove the key.  Authenticated sockets become blocking
+    :class:`Channel` objects in ``channels``.
+    """
 
     def __init__(self, listeners: list[socket.socket], expected: set[tuple[int, int]], key: bytes,
                  scope: str, rank: int, deadline: float) -> None:
@@ -157,44 +222,134 @@ class _Acceptor(threading.Thread):
         self.channels: dict[tuple[int, int], Channel] = {}
         self.error: BaseException | None = None
         self.stop = False
+        self.refused = 0  # strangers refused or dropped before the mesh formed
+        self._pending: dict[int, _Pending] = {}  # fd -> connection, in accept order (oldest first)
+        self._sel = selectors.DefaultSelector()
 
     def run(self) -> None:
         try:
             self._run()
         except BaseException as e:  # handed to the main thread
             self.error = e
+        finally:
+            unfinished = len(self._pending)
+            for p in list(self._pending.values()):
+                self._forget(p)
+            self._sel.close()
+            if unfinished:
+                logger.debug("rank %d closed %d unfinished handshakes", self.rank, unfinished)
+            if self.refused > _LOGGED_REFUSALS:
+                logger.warning("rank %d refused %d connections that did not prove the job key while forming "
+                               "the mesh (%d not logged one by one)", self.rank, self.refused,
+                               self.refused - _LOGGED_REFUSALS)
 
     def _run(self) -> None:
-        by_fd = {s.fileno(): s for s in self.listeners}
-        poller = select.poll()
-        for fd in by_fd:
-            poller.register(fd, select.POLLIN)
+        for lst in self.listeners:
+            lst.setblocking(False)
+            self._sel.register(lst, selectors.EVENT_READ, None)
         while self.expected - self.channels.keys() and not self.stop:
-            remaining = self.deadline - time.monotonic()
-            if remaining <= 0:
+            now = time.monotonic()
+            if now >= self.deadline:
                 return
-            for fd, _ev in poller.poll(min(remaining, 0.2) * 1000.0):
-                try:
-                    conn, addr = by_fd[fd].accept()
-                except OSError:
-                    continue
-                self._admit(conn, addr or "local peer")
+            for p in [p for p in self._pending.values() if p.deadline <= now]:
+                self._refuse(p, f"did not prove the job key within {_PREAUTH_TIMEOUT:g} s", answer=False)
+            wake = min([self.deadline, now + 0.2, *(p.deadline for p in self._pending.values())])
+            for sk, events in self._sel.select(max(0.0, wake - now)):
+                if sk.data is None:
+                    self._accept(sk.fileobj)  # type: ignore[arg-type]
+                elif sk.data.sock.fileno() in self._pending:
+                    self._step(sk.data, events)
 
-    def _admit(self, conn: socket.socket, addr: Any) -> None:
-        ch = Channel(conn, -1, min(_HANDSHAKE_TIMEOUT, max(0.05, self.deadline - time.monotonic())))
+    # -- connections -----------------------------------------------------------------------------------
+    def _accept(self, listener: socket.socket) -> None:
+        for _ in range(_MAX_PREAUTH):  # bounded so the other sockets get their turn
+            try:
+                conn, addr = listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:  # e.g. EMFILE: leave the rest in the backlog for now
+                logger.debug("rank %d: accept failed: %s", self.rank, e)
+                return
+            conn.setblocking(False)
+            if len(self._pending) >= _MAX_PREAUTH:
+                oldest = next(iter(self._pending.values()))
+                self._refuse(oldest, f"dropped: more than {_MAX_PREAUTH} connections were handshaking at once",
+                             answer=False)
+            nonce = auth.nonce()
+            payload = nonce + _scope_bytes(self.scope)
+            p = _Pending(conn, _describe(conn, addr), time.monotonic() + _PREAUTH_TIMEOUT,
+                         HEADER.pack(MAGIC, VERSION, _HELLO, len(payload)) + payload, nonce)
+            self._pending[conn.fileno()] = p
+            self._sel.register(conn, selectors.EVENT_READ | selectors.EVENT_WRITE, p)
+            self._step(p, selectors.EVENT_WRITE)
+
+    def _step(self, p: _Pending, events: int) -> None:
         try:
-            client, kind = _server_handshake(ch, self.key, self.scope, self.rank)
-        except (WireError, PeerFailure, OSError, struct.error) as e:
-            logger.warning("rank %d refused a connection from %s: %s", self.rank, addr, e)
+            if events & selectors.EVENT_WRITE and p.out:
+                p.out = p.out[p.sock.send(p.out):]
+                if not p.out:
+                    self._sel.modify(p.sock, selectors.EVENT_READ, p)
+            if not events & selectors.EVENT_READ:
+                return
+            chunk = p.sock.recv(p.need - len(p.buf))
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as e:
+            self._refuse(p, f"{type(e).__name__}: {e}", answer=False)
+            return
+        if not chunk:
+            self._refuse(p, "closed the connection", answer=False)
+            return
+        p.buf += chunk
+        if len(p.buf) < p.need:
+            return
+        try:
+            if p.need == HEADER.size:
+                magic, version, kind, n = HEADER.unpack(p.buf)
+                if magic != MAGIC or version != VERSION or kind != _AUTH:
+                    raise _Refused(f"not an AUTH frame (header {_shown(bytes(p.buf))})")
+                if not _AUTH_FMT.size <= n <= _MAX_PREAUTH_BYTES - HEADER.size:
+                    raise _Refused(f"AUTH frame of {n} bytes")
+                p.need = HEADER.size + n
+                return
+            client, kind, ok = _check_auth(bytes(p.buf[HEADER.size:]), self.key, self.scope, self.rank, p.nonce)
+            if (client, kind) not in self.expected or (client, kind) in self.channels:
+                raise _Refused(f"unexpected {_KIND_NAMES.get(kind, kind)} connection claiming rank {client}")
+        except _Refused as e:
+            self._refuse(p, str(e), answer=True)
+            return
+        self._forget(p, close=False)
+        ch = Channel(p.sock, client, max(0.05, self.deadline - time.monotonic()))
+        try:
+            ch.send_msg(_OK, ok)
+        except (PeerFailure, OSError) as e:
+            logger.warning("rank %d lost the connection of rank %d during the handshake: %s", self.rank, client, e)
             ch.close()
             return
-        if (client, kind) not in self.expected or (client, kind) in self.channels:
-            logger.warning("rank %d refused an unexpected %s connection claiming rank %d from %s",
-                           self.rank, _KIND_NAMES.get(kind, kind), client, addr)
-            ch.close()
-            return
-        ch.peer = client
         self.channels[(client, kind)] = ch
+
+    def _refuse(self, p: _Pending, why: str, *, answer: bool) -> None:
+        """Drop a connection that did not prove the key; ``answer``: tell it why first (best effort)."""
+        if answer:
+            reason = why.encode()[:_MAX_REASON]
+            try:
+                p.sock.send(HEADER.pack(MAGIC, VERSION, _REFUSED, len(reason)) + reason)
+            except OSError:
+                pass
+        self.refused += 1
+        level = logging.WARNING if self.refused <= _LOGGED_REFUSALS else logging.DEBUG
+        logger.log(level, "rank %d refused a connection from %s after %d bytes: %s", self.rank, p.who,
+                   len(p.buf), why)
+        self._forget(p)
+
+    def _forget(self, p: _Pending, close: bool = True) -> None:
+        self._pending.pop(p.sock.fileno(), None)
+        try:
+            self._sel.unregister(p.sock)
+        except (KeyError, ValueError):
+            pass
+        if close:
+            p.sock.close()
 
 
 def _connect(rec: dict[str, Any], use_unix: bool, deadline: float) -> socket.socket:
@@ -217,6 +372,32 @@ def _connect(rec: dict[str, Any], use_unix: bool, deadline: float) -> socket.soc
                 raise
             time.sleep(delay)
             delay = min(delay * 2, 0.5)
+
+
+def _connect_and_prove(rec: dict[str, Any], use_unix: bool, deadline: float, key: bytes, scope: str, rank: int,
+                       peer: int, kind: int) -> Channel:
+    """Connect to ``peer`` and run the client handshake; a connection the server dropped before answering
+    (it was busy with strangers, or we were slow) is retried until the deadline."""
+    delay = 0.01
+    while True:
+        try:
+            sock = _connect(rec, use_unix, deadline)
+        except OSError as e:
+            raise PeerFailure(peer, f"cannot connect to {rec}: {e}") from e
+        ch = Channel(sock, peer, max(0.05, deadline - time.monotonic()))
+        try:
+            _client_handshake(ch, key, scope, rank, peer, kind)
+            return ch
+        except PeerFailure as e:
+            ch.close()
+            if isinstance(e, WireError) or time.monotonic() + delay >= deadline:
+                raise
+            logger.debug("rank %d: rank %d dropped the handshake (%s); retrying", rank, peer, e)
+        except BaseException:
+            ch.close()
+            raise
+        time.sleep(delay)
+        delay = min(delay * 2, 0.2)
 
 
 def build_mesh(rank: int, size: int, hostname: str, store: Store, key: bytes, *, scope: str,
@@ -277,24 +458,17 @@ def build_mesh(rank: int, size: int, hostname: str, store: Store, key: bytes, *,
             rec = records[peer]
             use_unix = not disable_shm and rec["host"] == hostname and bool(rec.get("unix"))
             for kind in ((CTRL, DATA) if peer == 0 else (DATA,)):
-                try:
-                    sock = _connect(rec, use_unix, deadline)
-                except OSError as e:
-                    raise PeerFailure(peer, f"cannot connect to {rec}: {e}") from e
-                ch = Channel(sock, peer, max(0.05, deadline - time.monotonic()))
-                try:
-                    _client_handshake(ch, key, scope, rank, peer, kind)
-                except BaseException:
-                    ch.close()
-                    raise
-                (mesh.ctrl if kind == CTRL else mesh.data)[peer] = ch
+                (mesh.ctrl if kind == CTRL else mesh.data)[peer] = _connect_and_prove(
+                    rec, use_unix, deadline, key, scope, rank, peer, kind)
         acceptor.join(max(0.0, deadline - time.monotonic()))
         if acceptor.error is not None:
             raise acceptor.error
         missing = sorted(expected - acceptor.channels.keys())
         if missing:
+            strangers = (f"; {acceptor.refused} other connections were refused meanwhile, see the warnings"
+                         if acceptor.refused else "")
             raise PeerFailure(missing[0][0], f"did not connect to rank {rank} within {timeout} s "
-                                             f"(missing {[(r, _KIND_NAMES[k]) for r, k in missing]})")
+                                             f"(missing {[(r, _KIND_NAMES[k]) for r, k in missing]}{strangers})")
         for (peer, kind), ch in acceptor.channels.items():
             (mesh.ctrl if kind == CTRL else mesh.data)[peer] = ch
     except BaseException:

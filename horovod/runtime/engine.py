@@ -95,7 +95,10 @@ class Engine:
         self._comms: dict[int, Communicator] = {}
         self.executor = Executor(self.queue, self._communicator, self.timeline)
         self._cache: dict[tuple[int, str], tuple[int, tuple]] = {}
-        self._cache_keys: dict[tuple[int, int], tuple[int, str]] = {}
+        self._cache_keys: dict[tuple[int, int], tuple[int, str] | None] = {}  # None: ran without an entry
+        # Eviction notices that arrived before their response ran (it is still in _todo: same or earlier
+        # frame).  Such an id must never enter the cache: a later hit would name an id the coordinator forgot.
+        self._evicted_early: set[tuple[int, int]] = set()
         self._seq = 0  # response frames received
         self._cycle = max(0.0, config.cycle_time_ms) / 1000.0
         self._outstanding = 0  # tensors sent to the coordinator whose responses have not run yet
@@ -315,20 +318,31 @@ class Engine:
                 return
             self._outstanding -= sum(1 for e in entries if e is not None)
             for cid, entry in zip(resp.cache_ids, entries):
-                if cid >= 0 and entry is not None:
+                if cid < 0:
+                    continue
+                ident = (resp.process_set_id, cid)
+                if ident in self._evicted_early:
+                    self._evicted_early.discard(ident)
+                elif entry is None:
+                    self._cache_keys[ident] = None  # a joined rank: nothing to cache, the eviction will come
+                else:
                     key = (resp.process_set_id, entry.request.name)
                     self._cache[key] = (cid, entry.request.signature())
-                    self._cache_keys[(resp.process_set_id, cid)] = key
+                    self._cache_keys[ident] = key
 
     def _forget_cache(self, set_id: int) -> None:
         for key in [k for k in self._cache if k[0] == set_id]:
             del self._cache[key]
         for key in [k for k in self._cache_keys if k[0] == set_id]:
             del self._cache_keys[key]
+        self._evicted_early = {k for k in self._evicted_early if k[0] != set_id}
 
     def _evict(self, evicted: list[tuple[int, int]]) -> None:
         for ps, cid in evicted:
-            key = self._cache_keys.pop((ps, cid), None)
+            if (ps, cid) not in self._cache_keys:
+                self._evicted_early.add((ps, cid))  # its response has not run yet (see __init__)
+                continue
+            key = self._cache_keys.pop((ps, cid))
             if key is not None and self._cache.get(key, (None,))[0] == cid:
                 del self._cache[key]
 

@@ -1,8 +1,9 @@
 """Where the elastic driver learns which hosts exist, and which of them it no longer trusts.
 
 ``HostDiscoveryScript`` runs ``--host-discovery-script`` (stdout lines ``host`` or ``host:slots``);
-``FixedHosts`` stands for ``-H``/``--hostfile``.  ``HostManager`` keeps hosts in order of first discovery
-(so that old hosts keep low ranks) and applies the blacklist: a host whose worker failed is excluded, for
+``FixedHosts`` stands for ``-H``/``--hostfile``.  ``HostManager`` keeps hosts in order of arrival (so that
+old hosts keep low ranks; a host back from the blacklist or from outside discovery's output arrives anew)
+and applies the blacklist: a host whose worker failed is excluded, for
 good without ``--blacklist-cooldown-range``, else for ``lo * 2**count + U(0, 1) * lo`` seconds clamped to
 ``[lo, hi]`` (upstream's rule).
 """
@@ -84,7 +85,8 @@ class _Blacklisted:
 
 
 class HostManager:
-    """Discovered hosts in order of first discovery, minus blacklisted ones."""
+    """Discovered hosts, oldest first, minus blacklisted ones; a host that returns (from the blacklist or to
+    discovery's output) counts as new."""
 
     def __init__(self, discovery: HostDiscovery, cooldown_range: tuple[int, int] | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -103,6 +105,9 @@ class HostManager:
         """Run discovery; True if the usable hosts changed.  Discovery errors propagate."""
         before = self.usable_hosts()
         found = self.discovery.find_available_hosts_and_slots()
+        # A host that left discovery (or was blacklisted, see blacklist()) queues up behind the others when it
+        # comes back: rank 0 must stay on a host whose worker kept the job's state, which sync() broadcasts.
+        self._order = [h for h in self._order if h in found]
         for host in found:
             if host not in self._order:
                 self._order.append(host)
@@ -132,6 +137,8 @@ class HostManager:
             lo, hi = self.cooldown_range
             delay = min(max(lo * 2 ** (count - 1) + random.uniform(0, 1) * lo, lo), hi)
         self._blacklist[host] = _Blacklisted(count, self._clock() + delay)
+        if host in self._order:
+            self._order.remove(host)  # back at the end after the cooldown (the next discovery appends it)
         return delay
 
     def all_blacklisted(self) -> bool:

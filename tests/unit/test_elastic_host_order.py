@@ -1,0 +1,70 @@
+"""The elastic driver's host order: a host that comes back (cooldown over, or listed again by discovery)
+queues up behind the hosts that stayed, so rank 0 stays on a worker that kept the job's state.
+
+Found by the soak (tests/soak): kill -9 of rank 0 after a replaced host had returned gave rank 0 to a fresh
+worker, whose empty state ``sync()`` broadcast, and training silently restarted from the beginning.
+"""
+
+from __future__ import annotations
+
+from horovod.runner.elastic.discovery import HostManager
+
+
+class _Discovery:
+    def __init__(self, hosts: dict[str, int]) -> None:
+        self.hosts = hosts
+
+    def find_available_hosts_and_slots(self) -> dict[str, int]:
+        return dict(self.hosts)
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _names(manager: HostManager) -> list[str]:
+    return [h.hostname for h in manager.usable_hosts()]
+
+
+def test_host_back_from_the_blacklist_goes_last():
+    clock = _Clock()
+    manager = HostManager(_Discovery({"a": 1, "b": 1}), cooldown_range=(1, 2), clock=clock)
+    manager.update_available_hosts()
+    assert _names(manager) == ["a", "b"]
+    manager.blacklist("a")
+    assert not manager.update_available_hosts()
+    assert _names(manager) == ["b"]
+    clock.now = 10.0
+    manager.update_available_hosts()
+    assert _names(manager) == ["b", "a"]  # "b" kept the state: it keeps rank 0
+    manager.blacklist("b")
+    clock.now = 20.0
+    manager.update_available_hosts()
+    assert _names(manager) == ["a", "b"]
+
+
+def test_host_listed_again_goes_last():
+    discovery = _Discovery({"a": 1, "b": 1, "c": 1})
+    manager = HostManager(discovery)
+    manager.update_available_hosts()
+    del discovery.hosts["a"]
+    assert manager.update_available_hosts()
+    assert _names(manager) == ["b", "c"]
+    discovery.hosts["a"] = 2
+    assert manager.update_available_hosts()
+    assert _names(manager) == ["b", "c", "a"]
+
+
+def test_blacklisted_for_good_stays_out():
+    manager = HostManager(_Discovery({"a": 1, "b": 1}))
+    manager.update_available_hosts()
+    manager.blacklist("a")
+    manager.update_available_hosts()
+    assert _names(manager) == ["b"]
+    assert not manager.all_blacklisted()
+    manager.blacklist("b")
+    assert manager.all_blacklisted()

@@ -2,7 +2,9 @@
 
 Fetches the pickled ``(func, args, kwargs)`` from the launcher's rendezvous store -- the only way it
 travels, so it is read only by processes holding the job key -- runs it and stores the pickled result
-under ``runfunc_result/<rank>``.
+under ``runfunc_result/<rank>``.  The store's answer is unpickled only after it proved the job key too
+(``StoreClient`` verifies the answer's signature before reading its body), so whatever else listens on that
+port cannot make this worker run code of its choice.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     import cloudpickle
 
     from horovod.common import auth
-    from horovod.transport.store import StoreClient
+    from horovod.transport.store import StoreClient, StoreError
 
     argv = sys.argv[1:] if argv is None else list(argv)
     if len(argv) != 2:
@@ -42,7 +44,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     timeout = start_timeout()
     client = StoreClient(argv[0], int(argv[1]), key, timeout=timeout)
-    func, args, kwargs = cloudpickle.loads(client.get("runfunc/func"))
+    try:
+        payload = client.get("runfunc/func")  # verified: signed with the job key, for this very request
+    except StoreError as e:
+        sys.stderr.write(f"horovod.runner.run_task: cannot fetch the function to run: {e}\n")
+        return 1
+    func, args, kwargs = cloudpickle.loads(payload)
     try:
         result = func(*args, **kwargs)
     except BaseException as e:

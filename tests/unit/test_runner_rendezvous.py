@@ -8,9 +8,8 @@ import time
 
 import pytest
 
-from horovod.common import auth
 from horovod.runner.rendezvous import RendezvousServer
-from horovod.transport.store import DIGEST_HEADER, NONCE_HEADER, StoreClient, StoreError, request_digest
+from horovod.transport.store import DIGEST_HEADER, NONCE_HEADER, StoreClient, StoreError, sign_request
 
 KEY = b"k" * 32
 
@@ -34,8 +33,7 @@ def _raw(server, method, path, body=b"", headers=None):
 
 
 def _signed(method, path, body=b"", key=KEY, nonce=None):
-    nonce = nonce or auth.nonce()
-    return {NONCE_HEADER: nonce.hex(), DIGEST_HEADER: request_digest(key, method, path, nonce, body).hex()}
+    return sign_request(key, method, path, body, nonce=nonce)
 
 
 def test_client_roundtrip(server):
@@ -120,9 +118,11 @@ def _send_raw(port, data, shutdown=True, timeout=5.0):
 
 def test_body_read_timeout_408(server):
     start = time.monotonic()
-    request = b"PUT /s/slow HTTP/1.1\r\nContent-Length: 100\r\n\r\nonly-part"
+    signed = _signed("PUT", "/s/slow", b"x" * 100)
+    head = "".join(f"{k}: {v}\r\n" for k, v in signed.items()).encode()
+    request = b"PUT /s/slow HTTP/1.1\r\nContent-Length: 100\r\n" + head + b"\r\nonly-part"
     reply = _send_raw(server.port, request, shutdown=False)
-    assert reply.startswith(b"HTTP/1.0 408"), reply
+    assert reply.startswith(b"HTTP/1.1 408"), reply
     assert time.monotonic() - start < 3
     assert server.get("s/slow") is None
 

@@ -157,17 +157,32 @@ class ElasticDriver:
             self.server.stop()
 
     def _bind_address(self) -> str:
-        if isinstance(self.hosts.discovery, FixedHosts) and \
-                all(hosts_mod.is_local_host(h.hostname) for h in self.hosts.usable_hosts()):
-            return "127.0.0.1"
-        return "0.0.0.0"  # a discovery script may name remote hosts later; every request is authenticated
+        """The store's first address, chosen as for a static job (``horovod.runner.network``), never all
+        interfaces: ``--network-interface``, else the route to the remote hosts known now, else loopback."""
+        from horovod.runner.network import choose_interface
 
-    def _store_address(self, host: str) -> str:
-        if self.server.addr == "127.0.0.1" or hosts_mod.is_local_host(host):
+        remote = [h.hostname for h in self.hosts.usable_hosts() if not hosts_mod.is_local_host(h.hostname)]
+        try:
+            return choose_interface(remote, self.nics).address
+        except ValueError as e:
+            if self.nics:
+                raise
+            logger.warning("elastic: %s; the rendezvous store listens on loopback for now", e)
             return "127.0.0.1"
-        from horovod.runner.network import route_source
 
-        return route_source(host) or "127.0.0.1"
+    def _store_endpoint(self, host: str) -> tuple[str, int]:
+        """Where a worker on ``host`` reaches the store.  A host that a discovery script named later, reached
+        through an interface the store does not listen on yet, gets a listener on that interface's address."""
+        if hosts_mod.is_local_host(host):
+            return self.server.addr, self.server.port
+        from horovod.runner.network import choose_interface
+
+        try:
+            addr = choose_interface([host], self.nics).address
+        except ValueError as e:
+            logger.warning("elastic: %s; workers on %s will not reach the rendezvous store", e, host)
+            return self.server.addr, self.server.port
+        return addr, self.server.listen(addr)
 
     def _check_stop(self) -> None:
         if self.stop_event is not None and self.stop_event.is_set():
@@ -344,8 +359,9 @@ class ElasticDriver:
     def _worker_env(self, slot: str, s: hosts_mod.SlotInfo) -> dict[str, str]:
         from horovod.runner.launch import worker_env
 
-        env = worker_env(s, base=self.base_env, store_addr=self._store_address(s.hostname),
-                         store_port=self.server.port, key=self.key, knobs=self.knobs,
+        store_addr, store_port = self._store_endpoint(s.hostname)
+        env = worker_env(s, base=self.base_env, store_addr=store_addr,
+                         store_port=store_port, key=self.key, knobs=self.knobs,
                          start_timeout=self.start_timeout, nics=self.nics)
         for name in _RANK_VARS:
             env.pop(name, None)

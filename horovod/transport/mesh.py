@@ -267,8 +267,9 @@ class _Acceptor(threading.Thread):
                 conn, addr = listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
-            except OSError as e:  # e.g. EMFILE: leave the rest in the backlog for now
+            except OSError as e:  # e.g. EMFILE: leave the rest in the backlog for now, without spinning
                 logger.debug("rank %d: accept failed: %s", self.rank, e)
+                time.sleep(0.01)
                 return
             conn.setblocking(False)
             if len(self._pending) >= _MAX_PREAUTH:

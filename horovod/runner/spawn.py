@@ -170,6 +170,7 @@ def terminate_workers(procs: Sequence[subprocess.Popen], grace: float = TERMINAT
             soft()
         else:
             _signal_group(proc, signal.SIGTERM)
+            _signal_group(proc, signal.SIGCONT)  # a stopped (SIGSTOP) worker acts on SIGTERM only once resumed
     deadline = time.monotonic() + grace
     for proc in procs:
         try:

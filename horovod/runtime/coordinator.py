@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import collections
 import logging
+import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -26,13 +28,20 @@ from horovod.runtime.scaling import scale_inplace, scaled_copy
 from horovod.runtime.validation import build_response
 from horovod.transport.communicator import ReduceOp, apply_reduce
 
-__all__ = ["Coordinator"]
+__all__ = ["Coordinator", "collective_failure"]
 
 log = logging.getLogger(__name__)
 
 _CACHEABLE = {RequestType.ALLREDUCE, RequestType.BROADCAST, RequestType.REDUCESCATTER,
               RequestType.ALLGATHER, RequestType.ALLTOALL}
 _FUSABLE = {RequestType.ALLREDUCE}
+# "rank A: collective failed: rank B: timed out ...": A waited for B inside a collective (see collective_failure).
+_FAILURE = re.compile(r"rank (\d+): collective failed: (?:rank (\d+): timed out)?")
+
+
+def collective_failure(rank: int, cause: BaseException) -> str:
+    """The shutdown reason of a rank whose collective failed (a timeout names the silent peer first)."""
+    return f"rank {rank}: collective failed: {cause}"
 EVICTION_WARNING = (
     "A response has been evicted from cache which may indicate reduced performance. Better performance may "
     "be obtained by disabling caching (HOROVOD_CACHE_CAPACITY=0) or increasing the cache capacity "
@@ -70,7 +79,8 @@ class Coordinator:
 
     def __init__(self, size: int, process_sets: dict[int, list[int]], *, cache_capacity: int,
                  fusion_threshold: int, disable_group_fusion: bool = False, timeline=None,
-                 stall_warning: float = 60.0, stall_shutdown: float = 0.0, stall_disable: bool = False) -> None:
+                 stall_warning: float = 60.0, stall_shutdown: float = 0.0, stall_disable: bool = False,
+                 failure_settle: float = 0.5, failure_wait: float = 30.0) -> None:
         self.size = size
         self.sets: dict[int, _SetState] = {i: _SetState(i, list(r)) for i, r in process_sets.items()}
         self.cache_capacity = cache_capacity
@@ -87,6 +97,11 @@ class Coordinator:
         self.joined: set[int] = set()
         self.last_joined = -1
         self.shutdown_reason: str | None = None
+        # Failures reported meanwhile: (reporting rank or -1, suspect rank or None, text).
+        self.failure_settle = failure_settle
+        self.failure_wait = max(failure_wait, failure_settle)
+        self._failures: list[tuple[int, int | None, str]] = []
+        self._failures_since = 0.0
         self._next_cache_id = 0
         self._ready: list[Response] = []
         self._evictions: dict[int, list[tuple[int, int]]] = collections.defaultdict(list)
@@ -103,8 +118,8 @@ class Coordinator:
         """Record one rank's batch (``cached`` = (set id, cache id, group id, blob index) hits; ``blobs`` the
         bytes or arrays of inline tensors)."""
         self._acked[rank] = max(self._acked[rank], ack)
-        if shutdown is not None and self.shutdown_reason is None:
-            self.shutdown_reason = shutdown
+        if shutdown is not None:
+            self.report(rank, shutdown)
         now = time.monotonic()
         for req in requests:
             req.rank = rank
@@ -341,6 +356,68 @@ class Coordinator:
 
     def seq_for(self, rank: int) -> int:
         return self._sent_seq[rank]
+
+    # ------------------------------------------------------------------ failures and liveness
+    def report(self, rank: int, reason: str, now: float | None = None, suspect: int | None = None) -> None:
+        """A rank's shutdown notice; a failed collective goes through :meth:`settle` first.
+
+        When a rank stops inside a collective, every member waiting for it times out, and a member that waits
+        for one of *those* (a ring, a chain) may time out too -- even first, when the one in the middle was
+        still draining buffered data -- and blame a live rank.  So a report is believed at once only when its
+        suspect did not complain itself and is not alive (silent or gone); otherwise the reports are
+        collected until one is, or for ``failure_wait`` seconds at most.
+        """
+        if self.shutdown_reason is not None:
+            return
+        match = _FAILURE.match(reason)
+        if match is None and not self._failures:
+            self.shutdown_reason = reason
+            return
+        if not self._failures:
+            self._failures_since = time.monotonic() if now is None else now
+        if match is not None and match.group(2) is not None:
+            suspect = int(match.group(2))
+        self._failures.append((rank, suspect, reason))
+
+    def peer_lost(self, rank: int, reason: str) -> None:
+        """``rank``'s control connection closed or it went silent: it is the suspect, unless it reported a
+        failure itself (then it is just exiting)."""
+        if all(r != rank for r, _, _ in self._failures):
+            self.report(-1, reason, suspect=rank)
+
+    @property
+    def failures_pending(self) -> bool:
+        return self.shutdown_reason is None and bool(self._failures)
+
+    def settle(self, now: float | None = None, alive: Callable[[int], bool] | None = None) -> None:
+        """Turn the collected failure reports into the shutdown reason once one is believable or they are old.
+
+        ``alive(rank)``: whether the rank still sends keep-alives (the engine knows); without it every rank
+        counts as not alive.
+        """
+        if not self.failures_pending:
+            return
+        now = time.monotonic() if now is None else now
+        complainers = {r for r, _, _ in self._failures if r >= 0}
+        suspects = [(s, reason) for _, s, reason in self._failures if s is not None and s not in complainers]
+        chosen = next((reason for s, reason in suspects if alive is None or not alive(s)), None)
+        waited = now - self._failures_since
+        if chosen is None:
+            if waited < self.failure_settle or (suspects and waited < self.failure_wait):
+                return  # a suspect that is alive probably waits for someone else: let it report
+            chosen = suspects[0][1] if suspects else self._failures[0][2]
+        self.shutdown_reason = chosen
+        if len(self._failures) > 1:
+            log.error("collective failures reported: %s; cause: %s",
+                      "; ".join(r for _, _, r in self._failures), self.shutdown_reason)
+
+    def waiting_on(self) -> set[int]:
+        """Ranks whose requests some pending tensor still lacks (and that have not joined)."""
+        missing: set[int] = set()
+        for state in self.sets.values():
+            for pending in state.pending.values():
+                missing.update(r for r in state.ranks if r not in pending.requests and r not in self.joined)
+        return missing
 
     # ------------------------------------------------------------------ stall inspector
     def check_stalls(self, now: float | None = None) -> str | None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import selectors
+import struct
 import threading
 import time
 from dataclasses import dataclass
@@ -23,8 +24,8 @@ import numpy as np
 
 from horovod.common.config import RuntimeConfig
 from horovod.common.exceptions import SHUT_DOWN_MESSAGE, ShutdownError, WireError
-from horovod.runtime.coordinator import Coordinator
-from horovod.runtime.executor import Executor
+from horovod.runtime.coordinator import Coordinator, collective_failure
+from horovod.runtime.executor import CollectiveFailure, Executor
 from horovod.runtime.messages import (
     Request,
     RequestType,
@@ -36,7 +37,7 @@ from horovod.runtime.messages import (
 )
 from horovod.runtime.queue import Handle, TensorEntry, TensorQueue
 from horovod.runtime.timeline import Timeline
-from horovod.transport.communicator import Communicator
+from horovod.transport.communicator import Communicator, PeerFailure
 from horovod.transport.local import SelfCommunicator
 
 __all__ = ["Engine", "Topology", "DUPLICATE_NAME_MESSAGE"]
@@ -49,6 +50,8 @@ DUPLICATE_NAME_MESSAGE = (
 )
 _REQUESTS = 1
 _RESPONSES = 2
+_KEEPALIVE = 3  # payload: the sender's time.monotonic() as a big-endian double
+_STAMP = struct.Struct("!d")
 _SHUTDOWN_ACK_TIMEOUT = 5.0
 # Allreduces of at most this many bytes per batch travel with their request and are reduced by the
 # coordinator, which answers with the result: one round trip instead of negotiation plus a data exchange.
@@ -85,13 +88,21 @@ class Engine:
             self.timeline = Timeline(config.timeline_mark_cycles)
             if config.timeline.upper() != "DYNAMIC":
                 self.timeline.start(config.timeline)
+        # Liveness (docs/running.md, "Deadlines"): each rank sends a keep-alive on its control channels every
+        # ``_beat`` s from a thread of its own; a peer silent past ``_deadline`` while a rank waits for it is
+        # reported as unresponsive (a stopped or hung process never ends a wait otherwise).
+        self._deadline, self._deadline_knob = liveness_deadline(config)
+        if self.size == 1 or mesh is None:
+            self._deadline = None
+        self._beat = min(1.0, self._deadline / 4) if self._deadline else 1.0
         self.coordinator: Coordinator | None = None
         if self.rank == 0:
             self.coordinator = Coordinator(
                 self.size, dict(self.process_sets), cache_capacity=config.cache_capacity,
                 fusion_threshold=config.fusion_threshold, disable_group_fusion=config.disable_group_fusion,
                 timeline=self.timeline, stall_warning=config.stall_check_time,
-                stall_shutdown=config.stall_shutdown_time, stall_disable=config.stall_check_disable)
+                stall_shutdown=config.stall_shutdown_time, stall_disable=config.stall_check_disable,
+                failure_settle=self._beat, failure_wait=self._deadline or 30.0)
         self._comms: dict[int, Communicator] = {}
         self.executor = Executor(self.queue, self._communicator, self.timeline)
         self._cache: dict[tuple[int, str], tuple[int, tuple]] = {}
@@ -107,12 +118,23 @@ class Engine:
         self._shutdown_sent_at: float | None = None
         self._closed_peers: set[int] = set()
         self._stop_reason: str | None = None
+        self._ctrl_lock = threading.Lock()  # the keep-alive thread sends on the control channels too
+        self._beats_stop = threading.Event()
+        now = time.monotonic()
+        self._clocks = {r: _PeerClock(now) for r in (range(1, self.size) if self.rank == 0 else (0,))}
+        self._asked_at = now  # when this rank last went from nothing outstanding to waiting for rank 0
+        self._next_liveness_check = 0.0
+        self._draining: set[int] = set()  # peers with control frames still unread (e.g. after a collective)
+        self._broken: tuple[str, float, int] | None = None  # a collective failed: (reason, when, peer)
+        self._failed_entries: list[TensorEntry] = []  # their handles fail with the job's cause
         self.stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="horovod-engine", daemon=True)
 
     # ------------------------------------------------------------------ caller side
     def start(self) -> None:
         self._thread.start()
+        if self._deadline is not None:
+            threading.Thread(target=self._keepalive, name="horovod-keepalive", daemon=True).start()
 
     def enqueue(self, items: list[tuple[Request, object, object]]) -> list[Handle]:
         """Queue ``(request, input array, output array or None)`` items atomically; returns their handles.
@@ -161,7 +183,10 @@ class Engine:
                 self._stop_reason = f"rank {self.rank}: {e}"
             self._notify_shutdown(self._stop_reason)
         finally:
+            with self._ctrl_lock:
+                self._beats_stop.set()
             self.stopped.set()
+            self._fail_failed_entries()
             self._fail_pending()
             self._finish_resources()
 
@@ -174,14 +199,18 @@ class Engine:
         try:
             while self._stop_reason is None:
                 woken = False
-                for key, _ in sel.select(0 if self._todo else 1.0):
+                ready: set[int] = set()  # peers whose control frames were read now (not silent)
+                for key, _ in sel.select(self._select_timeout()):
                     if key.data is not None:
+                        ready.add(key.data.peer)
                         self._on_frame(key.data, sel)
                     else:
                         woken = True
                 if woken and self._outstanding:  # busy: let tensors arriving together leave together
                     self.queue.gather_window(self._cycle)
                 self._send_local_requests()
+                self._draining = ready
+                self._check_liveness(ready)
                 if self.coordinator is not None:
                     self._coordinate()
                 self._execute_todo()
@@ -198,15 +227,33 @@ class Engine:
         except (ConnectionError, OSError) as e:
             sel.unregister(channel.fileno())
             self._closed_peers.add(peer)
+            silent = self._silence(peer)  # a peer stopped for a while, then killed, was unresponsive first
             if self.coordinator is None:
                 if self._stop_reason is None:
-                    self._stop_reason = self._shutdown_requested or \
-                        f"lost the connection to the coordinator (rank 0): {e}"
-            elif self.coordinator.shutdown_reason is None:
+                    if self._shutdown_requested is not None:
+                        reason = self._shutdown_requested
+                    elif silent is not None:
+                        reason = self._unresponsive(0, silent, f"rank {self.rank} waited for it",
+                                                    f", then it closed ({e})")
+                    else:
+                        reason = f"lost the connection to the coordinator (rank 0): {e}"
+                        if self._broken is not None:
+                            reason = f"{self._broken[0]}; {reason}"
+                    self._stop_reason = reason
+            else:
                 host = self.mesh.hostnames[peer] if self.mesh is not None else "?"
-                self.coordinator.shutdown_reason = f"rank {peer} on host {host} exited or lost its connection"
+                if silent is not None:
+                    reason = self._unresponsive(peer, silent, "other ranks waited for it", ", then it closed")
+                else:
+                    reason = f"rank {peer} on host {host} exited or lost its connection"
+                self.coordinator.peer_lost(peer, reason)
             return
         try:
+            if kind == _KEEPALIVE:
+                if len(payload) != _STAMP.size:
+                    raise WireError(f"keep-alive frame of {len(payload)} bytes")
+                self._clocks[peer].heard(_STAMP.unpack(payload)[0], time.monotonic())
+                return
             if self.coordinator is not None:
                 if kind != _REQUESTS:
                     raise WireError(f"unexpected frame kind {kind}")
@@ -233,6 +280,8 @@ class Engine:
                 self._todo.append(Response(RequestType.ERROR, -1, [], error=shutdown, payload=[-1]))
 
     def _send_local_requests(self) -> None:
+        if self._broken is not None:  # nothing new goes out until the failed collective's cause is known
+            return
         new = self.queue.drain()
         shutdown = None
         if self._shutdown_requested is not None and self._shutdown_sent_at is None:
@@ -240,6 +289,8 @@ class Engine:
             self._shutdown_sent_at = time.monotonic()
         if not new and shutdown is None:
             return
+        if self._outstanding <= 0:
+            self._asked_at = time.monotonic()
         self._outstanding += len(new)
         full: list[Request] = []
         cached: list[tuple[int, int, int, int]] = []
@@ -261,12 +312,13 @@ class Engine:
             self.coordinator.submit(0, self._seq, shutdown, full, cached, blobs)
         else:
             try:
-                self.mesh.ctrl[0].send_msg(_REQUESTS, encode_requests(self._seq, shutdown, full, cached, blobs))
+                self._send_ctrl(0, _REQUESTS, encode_requests(self._seq, shutdown, full, cached, blobs))
             except (ConnectionError, OSError) as e:
                 self._stop_reason = self._shutdown_requested or f"lost the connection to the coordinator: {e}"
 
     def _coordinate(self) -> None:
         coord = self.coordinator
+        coord.settle(alive=self._alive)
         if coord.shutdown_reason is None:
             stall = coord.check_stalls()
             if stall is not None:
@@ -284,14 +336,19 @@ class Engine:
             if r in self._closed_peers:
                 continue
             try:
-                self.mesh.ctrl[r].send_msg(_RESPONSES, encode_responses(coord.seq_for(r), responses, shutdown,
-                                                                        evicted))
+                self._send_ctrl(r, _RESPONSES, encode_responses(coord.seq_for(r), responses, shutdown, evicted))
             except (ConnectionError, OSError):
                 self._closed_peers.add(r)
         if shutdown is not None:
             self._todo.append(Response(RequestType.ERROR, -1, [], error=shutdown, payload=[-1]))
 
     def _execute_todo(self) -> None:
+        if self._broken is not None:  # the data plane failed: only the coordinator's verdict matters now
+            for resp in self._todo:
+                if resp.type == RequestType.ERROR and resp.process_set_id == -1:
+                    self._stop_reason = resp.error
+                    break
+            return
         while self._todo and self._stop_reason is None:
             resp = self._todo.pop(0)
             if resp.type == RequestType.ERROR and resp.process_set_id == -1:
@@ -312,6 +369,9 @@ class Engine:
                 continue
             try:
                 entries = self.executor.execute(resp)
+            except CollectiveFailure as e:
+                self._collective_failed(e.cause, e.entries)
+                return
             except (ConnectionError, OSError) as e:
                 self._stop_reason = f"rank {self.rank}: collective failed: {e}"
                 self._notify_shutdown(self._stop_reason)
@@ -352,14 +412,147 @@ class Engine:
             return
         try:
             if self.coordinator is None:
-                self.mesh.ctrl[0].send_msg(_REQUESTS, encode_requests(self._seq, reason, [], []))
+                self._send_ctrl(0, _REQUESTS, encode_requests(self._seq, reason, [], []))
             else:
-                for r, channel in self.mesh.ctrl.items():
+                for r in list(self.mesh.ctrl):
                     if r not in self._closed_peers:
-                        channel.send_msg(_RESPONSES, encode_responses(self.coordinator.seq_for(r) + 1, [],
-                                                                      reason, []))
+                        self._send_ctrl(r, _RESPONSES, encode_responses(self.coordinator.seq_for(r) + 1, [],
+                                                                         reason, []))
         except (ConnectionError, OSError):
             pass
+
+    # ------------------------------------------------------------------ liveness and data-plane failures
+    def _send_ctrl(self, peer: int, kind: int, payload) -> None:
+        with self._ctrl_lock:
+            self.mesh.ctrl[peer].send_msg(kind, payload)
+
+    def _keepalive(self) -> None:
+        """Tell the control-channel peers every ``_beat`` s that this process is alive.
+
+        A thread of its own, so that a long collective on the engine thread does not look like a frozen
+        process; a stopped process (SIGSTOP), a dead host or a cut link goes silent.
+        """
+        while not self._beats_stop.wait(self._beat):
+            stamp = _STAMP.pack(time.monotonic())
+            with self._ctrl_lock:
+                mesh = self.mesh
+                if self._beats_stop.is_set() or mesh is None:
+                    return
+                for r, channel in list(mesh.ctrl.items()):
+                    if r not in self._closed_peers:
+                        try:
+                            channel.send_msg(_KEEPALIVE, stamp)
+                        except (ConnectionError, OSError):
+                            pass  # the engine thread sees the closed connection itself
+
+    def _select_timeout(self) -> float:
+        if self._broken is not None or (self.coordinator is not None and self.coordinator.failures_pending):
+            return min(0.1, self._beat)
+        return 0.0 if self._todo else self._beat
+
+    def _check_liveness(self, ready: set[int]) -> None:
+        """End a wait on a silent peer, or on a cause that does not come after a collective failed."""
+        if self._deadline is None or self._stop_reason is not None:
+            return
+        now = time.monotonic()
+        if self._broken is not None:  # the coordinator settles within the deadline; this is a last resort
+            reason, since, _ = self._broken
+            if self._shutdown_requested is not None or now - since > 2 * self._deadline:
+                log.error("%s (no other cause known after %.1f s)", reason, now - since)
+                self._stop_reason = reason
+                self._notify_shutdown(reason)
+                return
+        coord = self.coordinator
+        if coord is not None:  # rank 0: is a rank that others wait for still alive?
+            if coord.shutdown_reason is not None or now < self._next_liveness_check:
+                return
+            self._next_liveness_check = now + self._beat / 2
+            for r in sorted(coord.waiting_on() - {0}):
+                silent = now - self._clocks[r].alive_at
+                if r not in ready and r not in self._closed_peers and silent > self._deadline:
+                    reason = self._unresponsive(r, silent, "other ranks waited for it")
+                    log.error(reason)
+                    coord.peer_lost(r, reason)
+                    return
+            return
+        if 0 in ready or (self._outstanding <= 0 and self._broken is None):
+            return
+        silent = now - max(self._asked_at, self._clocks[0].alive_at)
+        if silent > self._deadline:
+            reason = self._unresponsive(0, silent, f"rank {self.rank} waited for it")
+            log.error(reason)
+            self._stop_reason = reason
+
+    def _alive(self, rank: int) -> bool:
+        """Rank 0's view: ``rank`` is connected and sent a keep-alive lately (or has frames not read yet:
+        after a long collective the verdict waits until they are)."""
+        if rank == self.rank or rank in self._draining:
+            return True
+        if rank in self._closed_peers or rank not in self._clocks:
+            return False
+        recent = max(2 * self._beat, (self._deadline or 0.0) / 2)  # a stopped suspect is silent ~ the deadline
+        return time.monotonic() - self._clocks[rank].alive_at <= recent
+
+    def _silence(self, peer: int) -> float | None:
+        """How long ``peer`` has been silent while this rank waited for it, if longer than two keep-alives."""
+        if self._deadline is None or peer not in self._clocks:
+            return None
+        now = time.monotonic()
+        if self.coordinator is None:
+            if self._outstanding <= 0 and self._broken is None:
+                return None
+            silent = now - max(self._asked_at, self._clocks[0].alive_at)
+        elif peer in self.coordinator.waiting_on() or self._broken is not None:
+            silent = now - self._clocks[peer].alive_at
+        else:
+            return None
+        return silent if silent > 2 * self._beat else None
+
+    def _unresponsive(self, rank: int, silent: float, waiter: str, end: str = "") -> str:
+        """The reason naming a silent peer.  On a worker, a collective that failed meanwhile is mentioned only
+        when it failed on rank 0 too: waiting for a live rank that itself waited for the frozen coordinator
+        is a consequence, and naming that rank would blame the wrong process."""
+        host = self.mesh.hostnames[rank] if self.mesh is not None else "?"
+        who = f"the coordinator (rank 0 on host {host})" if rank == 0 else f"rank {rank} on host {host}"
+        end = end or (f": no keep-alive on its control channel for longer than {self._deadline:g} s "
+                      f"({self._deadline_knob}); the process is stopped, hung or unreachable")
+        reason = f"{who} has been unresponsive for {silent:.1f} s while {waiter}{end}"
+        if rank == 0 and self._broken is not None and self._broken[2] == 0:
+            reason = f"{self._broken[0]}; {reason}"
+        return reason
+
+    def _collective_failed(self, cause: BaseException, entries: list) -> None:
+        """The transport failed inside a collective; decide (or wait for) the cause the job reports.
+
+        A peer that timed out is the suspect: the rank reports it to the coordinator, which settles the
+        reports of all ranks (a rank waiting for a live rank that itself waits for the stopped one would
+        blame the wrong rank).  A peer that *closed* its connection has most likely failed itself and is only
+        the messenger: the rank waits for the cause the coordinator relays.  Both waits end by the deadline.
+        """
+        self._failed_entries.extend(e for e in entries if e is not None)
+        reason = collective_failure(self.rank, cause)
+        if self._deadline is None or not isinstance(cause, PeerFailure) or \
+                (isinstance(cause, WireError) and not cause.closed):
+            log.error(reason)
+            self._stop_reason = reason
+            self._notify_shutdown(reason)
+            return
+        self._broken = (reason, time.monotonic(), cause.peer)
+        if cause.closed:
+            log.warning("%s; waiting for the cause", reason)
+        elif self.coordinator is not None:
+            log.error(reason)
+            self.coordinator.report(0, reason)
+        else:
+            log.error(reason)
+            self._notify_shutdown(reason)
+
+    def _fail_failed_entries(self) -> None:
+        if self._failed_entries:
+            error = ShutdownError(self._shutdown_message())
+            for entry in self._failed_entries:
+                entry.handle.set_error(error)
+            self._failed_entries = []
 
     def _communicator(self, set_id: int) -> Communicator:
         comm = self._comms.get(set_id)
@@ -395,3 +588,37 @@ class Engine:
             self.timeline.close()
             self.timeline = None
         self.queue.close()
+
+
+def liveness_deadline(config: RuntimeConfig) -> tuple[float | None, str]:
+    """Seconds a control-channel peer may stay silent while a rank waits for it, and the knob it comes from.
+
+    The collective timeout (``HOROVOD_GLOO_TIMEOUT_SECONDS``, 30 s by default) bounds how long a peer may
+    not answer inside a collective, so the same bound applies to the coordinator and to a rank the
+    coordinator waits for; without it, the stall shutdown time; ``None`` when both are 0 (never).
+    """
+    for value, knob in ((config.op_timeout, "HOROVOD_GLOO_TIMEOUT_SECONDS"),
+                        (config.stall_shutdown_time, "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS")):
+        if value and 0 < value < float("inf"):
+            return float(value), knob
+    return None, ""
+
+
+class _PeerClock:
+    """When a peer was last known alive, from the send times its keep-alives carry (its monotonic clock).
+
+    A keep-alive read late (the engine thread was busy in a collective) must not count as fresh, so the
+    peer's times are mapped onto ours with the smallest (receive time - send time) seen, which frames read
+    promptly attain; the offset may grow by 1 ms per frame, which follows any drift between two hosts' clocks.
+    """
+
+    __slots__ = ("alive_at", "_offset")
+
+    def __init__(self, now: float) -> None:
+        self.alive_at = now
+        self._offset: float | None = None
+
+    def heard(self, sent: float, now: float) -> None:
+        lag = now - sent
+        self._offset = lag if self._offset is None else min(self._offset + 1e-3, lag)
+        self.alive_at = max(self.alive_at, sent + self._offset)

@@ -17,7 +17,7 @@ from horovod.runtime.queue import TensorEntry, TensorQueue
 from horovod.runtime.scaling import scale_inplace, scaled_copy
 from horovod.transport.communicator import Communicator, ReduceOp
 
-__all__ = ["Executor", "AVERAGE"]
+__all__ = ["Executor", "AVERAGE", "CollectiveFailure"]
 
 AVERAGE = 0
 _ACTIVITY = {RequestType.ALLREDUCE: "GLOO_ALLREDUCE", RequestType.ALLGATHER: "GLOO_ALLGATHER",
@@ -30,6 +30,19 @@ def _numel(shape: tuple[int, ...]) -> int:
     for d in shape:
         n *= d
     return n
+
+
+class CollectiveFailure(ConnectionError):
+    """The transport failed inside a collective; ``entries`` are left pending for the engine.
+
+    The engine fails them once it knows the job's cause: the peer this rank saw fail (closed connection) is
+    often only the messenger of another rank's failure, which the coordinator relays.
+    """
+
+    def __init__(self, cause: BaseException, entries: list[TensorEntry | None]) -> None:
+        super().__init__(str(cause))
+        self.cause = cause
+        self.entries = entries
 
 
 class Executor:
@@ -74,6 +87,8 @@ class Executor:
                 results = [self._reducescatter(comm, resp, entries[0])]
             else:
                 raise PreconditionError(f"unsupported operation {rtype}")
+        except (ConnectionError, OSError) as error:  # the transport failed: the engine names the cause
+            raise CollectiveFailure(error, entries) from error
         except BaseException as error:
             for e in entries:
                 if e is not None:

@@ -49,12 +49,18 @@ def reduce_into(op: ReduceOp, a: np.ndarray, b: np.ndarray, out: np.ndarray) -> 
 
 
 class PeerFailure(ConnectionError):
-    """A peer closed its connection, sent garbage, or missed the collective's deadline."""
+    """A peer closed its connection, sent garbage, or missed the collective's deadline.
 
-    def __init__(self, peer: int, reason: str) -> None:
+    ``closed`` says the peer ended the connection (EOF, reset, broken pipe) rather than going silent: a peer
+    that closes in the middle of a collective has usually failed itself, so it is the messenger of another
+    rank's failure, not the cause (the runtime waits briefly for that cause before blaming the peer).
+    """
+
+    def __init__(self, peer: int, reason: str, *, closed: bool = False) -> None:
         super().__init__(f"rank {peer}: {reason}")
         self.peer = peer
         self.reason = reason
+        self.closed = closed
 
 
 class Communicator(abc.ABC):

@@ -116,10 +116,12 @@ class Channel:
     # -- failures ------------------------------------------------------------------------------------
     def _fail(self, exc: BaseException | None, what: str) -> PeerFailure:
         if isinstance(exc, (BlockingIOError, TimeoutError)):
-            return PeerFailure(self.peer, f"timed out after {self._timeout} s while {what}")
+            limit = f"{self._timeout:g} s" if self._timeout else "the deadline"
+            return PeerFailure(self.peer, f"timed out after {limit} while {what}")
         if exc is None:
-            return PeerFailure(self.peer, f"connection closed by peer while {what}")
-        return PeerFailure(self.peer, f"{type(exc).__name__} while {what}: {exc}")
+            return PeerFailure(self.peer, f"connection closed by peer while {what}", closed=True)
+        return PeerFailure(self.peer, f"{type(exc).__name__} while {what}: {exc}",
+                           closed=isinstance(exc, (ConnectionResetError, BrokenPipeError, ConnectionAbortedError)))
 
     # -- frames --------------------------------------------------------------------------------------
     def send_msg(self, kind: int, payload: bytes | bytearray | memoryview = b"") -> None:
@@ -187,7 +189,8 @@ class Channel:
                 raise self._fail(e, what) from e
             if k == 0:
                 if in_frame or got:
-                    raise TruncatedFrame(self.peer, f"connection closed in the middle of a frame while {what}")
+                    raise TruncatedFrame(self.peer, f"connection closed in the middle of a frame while {what}",
+                                         closed=True)
                 raise self._fail(None, what)
             got += k
 
@@ -259,13 +262,15 @@ def exchange(sends: Sequence[Transfer], recvs: Sequence[Transfer], timeout: floa
     """Send and receive several raw buffers at once without deadlocking on full socket buffers.
 
     Non-blocking syscalls (``MSG_DONTWAIT``) make progress on every transfer; when none can progress the
-    caller sleeps in ``poll`` until a socket is ready.  ``timeout`` bounds the time without any progress.
+    caller sleeps in ``poll`` until a socket is ready.  ``timeout`` bounds the time without any progress
+    (``<= 0``: no bound, like :meth:`Channel.settimeout`).
 
     Raises:
         PeerFailure: a peer closed its socket, or nothing moved for ``timeout`` seconds (names the peer).
     """
     pending_s = [t for t in sends if t.done < t.view.nbytes]
     pending_r = [t for t in recvs if t.done < t.view.nbytes]
+    bounded = timeout > 0
     deadline = time.monotonic() + timeout
     while pending_s or pending_r:
         progressed = False
@@ -302,10 +307,11 @@ def exchange(sends: Sequence[Transfer], recvs: Sequence[Transfer], timeout: floa
             pending_r = [t for t in pending_r if t.done < t.view.nbytes]
             deadline = time.monotonic() + timeout
             continue
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
+        remaining = deadline - time.monotonic() if bounded else -1.0
+        if bounded and remaining <= 0:
             t = (pending_r or pending_s)[0]
-            raise PeerFailure(t.channel.peer, "timed out waiting for the peer inside a collective")
+            raise PeerFailure(t.channel.peer, f"timed out after {timeout:g} s waiting for the peer inside a "
+                              f"collective ({'receiving' if pending_r else 'sending'})")
         masks: dict[int, int] = {}
         for t in pending_s:
             if t.done < t.limit:
@@ -317,7 +323,7 @@ def exchange(sends: Sequence[Transfer], recvs: Sequence[Transfer], timeout: floa
         poller = select.poll()
         for fd, mask in masks.items():
             poller.register(fd, mask)
-        poller.poll(remaining * 1000.0)
+        poller.poll(remaining * 1000.0 if bounded else None)
     if pending_r:
         # Everything we owe is sent, so blocking on the last receive cannot deadlock; the socket's
         # SO_RCVTIMEO (the channel's timeout) bounds it.

@@ -7,6 +7,7 @@ Three ways in: the launcher's environment and rendezvous store (``horovodrun``),
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import socket
@@ -219,11 +220,12 @@ def build_mesh(topology: Topology, sets: list[ProcessSet], generation: int, mpi=
 
     scope = f"init.{generation}"
     if mpi is not None:
-        from horovod.transport.mpi import MpiStore
+        from horovod.transport.mpi import MpiStore, allgather_bytes
 
         timeout = start_timeout()
-        mine = [ps.ranks for ps in sets]
-        for r, theirs in enumerate(mpi.comm.allgather(mine)):
+        mine = [list(ps.ranks) for ps in sets]
+        everyone = [json.loads(b) for b in allgather_bytes(mpi.comm, json.dumps(mine).encode())]
+        for r, theirs in enumerate(everyone):
             if theirs != mine:
                 raise ValueError("Horovod initialization failed: ranks passed different process_sets to init() "
                                  f"(rank {topology.rank}: {mine}, rank {r}: {theirs}).")

@@ -146,8 +146,34 @@ class MpiStore:
         if self._all is None:
             if self._mine is None:
                 raise RuntimeError("MpiStore.get before put: every rank must publish first")
-            self._all = dict(self.comm.allgather(self._mine))
+            key_, value = self._mine
+            records = allgather_bytes(self.comm, json.dumps([key_, value.hex()]).encode())
+            self._all = {k: bytes.fromhex(v) for k, v in map(json.loads, records)}
         return self._all[key]
+
+
+# Start-up exchanges use buffer collectives and JSON, never mpi4py's pickling lower-case calls: nothing that
+# arrives over MPI's transport is unpickled (docs/security.md).
+def allgather_bytes(comm: Any, mine: bytes) -> list[bytes]:
+    """Every rank's ``mine``, in rank order, as raw bytes (two buffer collectives, no pickle)."""
+    from mpi4py import MPI
+
+    counts = np.zeros(comm.Get_size(), np.int64)
+    comm.Allgather(np.array([len(mine)], np.int64), counts)
+    displs = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+    out = np.empty(int(counts.sum()), np.uint8)
+    comm.Allgatherv(np.frombuffer(mine, np.uint8), [out, counts.tolist(), displs.tolist(), MPI.BYTE])
+    return [out[d:d + c].tobytes() for d, c in zip(displs, counts)]
+
+
+def _allgather_json(comm: Any, value: Any) -> list[Any]:
+    return [json.loads(b) for b in allgather_bytes(comm, json.dumps(value).encode())]
+
+
+def _bcast_bytes(comm: Any, value: bytes | None, size: int, root: int = 0) -> bytes:
+    buf = np.frombuffer(value, np.uint8).copy() if comm.Get_rank() == root else np.empty(size, np.uint8)
+    comm.Bcast(buf, root=root)
+    return buf.tobytes()
 
 
 def _local_ipv4() -> list[str]:
@@ -226,17 +252,19 @@ def mpi_job(comm: Any = None, *, threads: bool = True, iface: str | None = None)
     local_rank, local_size = local.Get_rank(), local.Get_size()
     cross = job.Split(color=local_rank, key=rank)
     cross_rank, cross_size = cross.Get_rank(), cross.Get_size()
-    node_leader = local.bcast(rank, root=0)
+    leader = np.array([rank], np.int64)
+    local.Bcast(leader, root=0)
+    node_leader = int(leader[0])
     local.Free()
     cross.Free()
-    key = job.bcast(os.urandom(32) if rank == 0 else None, root=0)
+    key = _bcast_bytes(job, os.urandom(32) if rank == 0 else None, 32)
     hostname = MPI.Get_processor_name()
-    names = job.allgather(hostname)
-    leaders = job.allgather(node_leader)
+    names = _allgather_json(job, hostname)
+    leaders = _allgather_json(job, node_leader)
     # One node name on distinct nodes (containers, namespaces) must not make the mesh treat them as one host.
     if any(n == hostname and lead != node_leader for n, lead in zip(names, leaders)):
         hostname = f"{hostname}#{node_leader}"
-    candidates = job.allgather(_local_ipv4())
+    candidates = _allgather_json(job, _local_ipv4())
     iface_addr = _choose_address(rank, leaders, candidates, iface)
     return MpiJob(job, rank, size, local_rank, local_size, cross_rank, cross_size, hostname, key, iface_addr,
                   MPI.Query_thread() >= MPI.THREAD_MULTIPLE)

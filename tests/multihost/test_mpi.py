@@ -132,3 +132,25 @@ def test_horovodrun_mpi_across_namespace_hosts(netns_hosts, tmp_path):
         "MpiCommunicator", str(tmp_path)], timeout=120)
     _ok(proc)
     assert "MULTIHOST-OK size=4 local_size=2 cross_size=2 backend=MpiCommunicator mpi=True" in proc.stdout
+
+
+@needs_mpi
+def test_mpi_start_up_unpickles_nothing(tmp_path):
+    """hvd.init() under mpirun exchanges the key, layout and addresses with buffer collectives and JSON: with
+    mpi4py's pickling calls (bcast, allgather, ...) made to raise, it still starts and reduces correctly."""
+    script = tmp_path / "nopickle.py"
+    script.write_text(
+        "import numpy as np\n"
+        "from mpi4py import MPI\n"
+        "class NoPickle(MPI.Intracomm):  # Dup/Split of it stay NoPickle\n"
+        "    def _refuse(self, *a, **k):\n"
+        "        raise AssertionError('pickled MPI call during Horovod start-up')\n"
+        "    bcast = allgather = gather = scatter = recv = send = sendrecv = alltoall = allreduce = _refuse\n"
+        "import horovod.numpy as hvd\n"
+        "hvd.init(comm=NoPickle(MPI.COMM_WORLD))\n"
+        "out = hvd.allreduce(np.full(4, hvd.rank() + 1.0), op=hvd.Sum, name='x')\n"
+        "assert out.tolist() == [hvd.size() * (hvd.size() + 1) / 2] * 4, out\n"
+        "print('ok', hvd.rank(), flush=True)\n")
+    proc = mpirun(2, [sys.executable, str(script)])
+    _ok(proc)
+    assert proc.stdout.count("ok ") == 2

@@ -86,6 +86,7 @@ from horovod.tensorflow.optimizers import (
     PartialDistributedGradientTape,
 )
 from horovod.tensorflow.sync_batch_norm import SyncBatchNormalization
+from horovod.tensorflow.util import _executing_eagerly
 
 __all__ = [
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "cross_rank",
@@ -99,7 +100,7 @@ __all__ = [
     "broadcast_object", "broadcast_object_fn", "allgather_object", "broadcast_global_variables",
     "BroadcastGlobalVariablesHook", "DistributedOptimizer", "DistributedGradientTape",
     "PartialDistributedGradientTape", "SyncBatchNormalization", "DistributedModel",
-    "handle_average_backwards_compatibility", "_allreduce", "_basics",
+    "handle_average_backwards_compatibility", "_allreduce", "_basics", "_executing_eagerly",
 ]
 
 log = logging.getLogger(__name__)

@@ -6,14 +6,18 @@ import functools
 
 import tensorflow as tf
 
+from horovod.common.util import split_list
+
 __all__ = ["_executing_eagerly", "_make_subgraph", "_cache", "vars_to_refs", "refs_to_vars", "split_list"]
 
 
 def _executing_eagerly() -> bool:
+    """True when TensorFlow runs eagerly here (not inside a graph or tf.function trace)."""
     return tf.executing_eagerly()
 
 
 def _make_subgraph(f):
+    """``f`` as a ``tf.function`` (upstream's name for it)."""
     return tf.function(f)
 
 
@@ -31,18 +35,14 @@ def _cache(f):
 
 
 def vars_to_refs(vars):
+    """Variables (nested lists) as hashable references: tuples of ``v.ref()``."""
     if isinstance(vars, list):
         return tuple(vars_to_refs(v) for v in vars)
     return vars.ref()
 
 
 def refs_to_vars(refs):
+    """The inverse of :func:`vars_to_refs`."""
     if isinstance(refs, tuple):
         return [refs_to_vars(r) for r in refs]
     return refs.deref()
-
-
-def split_list(items: list, n: int) -> list[list]:
-    """Split ``items`` into ``n`` nearly equal consecutive chunks (upstream's ``split_list``)."""
-    d, r = divmod(len(items), n)
-    return [items[i * d + min(i, r):(i + 1) * d + min(i + 1, r)] for i in range(n)]

@@ -1,0 +1,1 @@
+"""Upstream's ``horovod.runner.common`` package (``util``)."""

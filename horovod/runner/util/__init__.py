@@ -1,0 +1,1 @@
+"""Upstream's ``horovod.runner.util`` package (``threads``)."""

@@ -13,7 +13,7 @@ import os
 import threading
 from collections.abc import Sequence
 
-from horovod.common import bootstrap, naming
+from horovod.common import bootstrap, logconfig, naming
 from horovod.common.config import read_runtime_config
 from horovod.common.process_sets import ProcessSet, global_process_set
 from horovod.runtime.engine import Engine, Topology
@@ -70,6 +70,7 @@ def init(comm=None, process_sets: Sequence[ProcessSet] | str | None = None) -> N
         elastic_mesh = bootstrap.elastic_mesh()  # elastic: the driver assigns the rank (sets HOROVOD_RANK...)
         mpi = bootstrap.mpi_job(comm) if bootstrap.use_mpi(comm) else None
         topology = bootstrap.topology_from_mpi(mpi) if mpi is not None else bootstrap.topology_from_env()
+        logconfig.configure(config.log_level, config.log_hide_time, topology.rank)
         mesh = elastic_mesh
         try:
             sets = _register_static_sets(list(process_sets or []), topology.size)

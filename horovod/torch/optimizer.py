@@ -32,6 +32,7 @@ from horovod.common import basics
 from horovod.common.basics import Adasum, Average
 from horovod.common.config import read_env
 from horovod.common.process_sets import ProcessSet, global_process_set
+from horovod.common.util import split_list
 from horovod.torch.compression import Compression, Compressor
 from horovod.torch.mpi_ops import (
     allreduce_async_,
@@ -53,23 +54,23 @@ _STEP_AFTER_SYNC = ("optimizer.step() called without optimizer.skip_synchronize(
                     "optimizer.skip_synchronize() context if you use optimizer.synchronize() in your code.")
 
 
-def _split_list(items: list, n: int) -> list[list]:
-    """``n`` contiguous chunks of nearly equal length (upstream's ``split_list``)."""
-    d, r = divmod(len(items), n)
-    return [items[i * d + min(i, r):(i + 1) * d + min(i + 1, r)] for i in range(n)]
-
-
 class _Reduction:
-    """One started allreduce of one parameter or group; ``finish()`` writes the results into ``p.grad``."""
+    """One started allreduce of one parameter or group; ``finish()`` writes the results into ``p.grad``.
 
-    __slots__ = ("params", "tensors", "ctxs", "handle", "compression", "done")
+    ``sparse_dims[i]`` is the ``sparse_dim()`` of parameter i's gradient when it was sparse and reduced
+    densely (``sparse_as_dense``): the result goes back into ``p.grad`` in that sparse layout, which
+    optimizers such as ``SparseAdam`` require.
+    """
 
-    def __init__(self, params, tensors, ctxs, handle, compression) -> None:
+    __slots__ = ("params", "tensors", "ctxs", "handle", "compression", "sparse_dims", "done")
+
+    def __init__(self, params, tensors, ctxs, handle, compression, sparse_dims=None) -> None:
         self.params = params
         self.tensors = tensors
         self.ctxs = ctxs
         self.handle = handle
         self.compression = compression
+        self.sparse_dims = sparse_dims or [None] * len(params)
         self.done = False
 
     def finish(self) -> None:
@@ -80,13 +81,12 @@ class _Reduction:
             self.params[0].grad = self.handle()
             return
         synchronize(self.handle)
-        for p, t, ctx in zip(self.params, self.tensors, self.ctxs):
+        for p, t, ctx, sparse_dim in zip(self.params, self.tensors, self.ctxs, self.sparse_dims):
             out = self.compression.decompress(t, ctx)
-            if out is not p.grad:
-                if p.grad.is_sparse:
-                    p.grad = out
-                else:
-                    p.grad.copy_(out)
+            if sparse_dim is not None:
+                p.grad = out.to_sparse(sparse_dim)
+            elif out is not p.grad:
+                p.grad.copy_(out)
 
 
 class _DistributedOptimizer:
@@ -175,7 +175,7 @@ class _DistributedOptimizer:
         if not isinstance(groups, int) or groups < 0:
             raise ValueError("groups should be a non-negative integer or a list of list of torch.Tensor.")
         params = [p for group in self._optimizer.param_groups for p in group["params"] if p.requires_grad]
-        return [g for g in _split_list(params, min(groups, max(len(params), 1))) if g]
+        return [g for g in split_list(params, min(groups, max(len(params), 1))) if g]
 
     def _register_hooks(self, params: Iterable[torch.Tensor]) -> None:
         me = weakref.ref(self)
@@ -235,10 +235,11 @@ class _DistributedOptimizer:
             handle = sparse_allreduce_async(first.grad, self._parameter_names[first], self.op, self.process_set)
             reduction = _Reduction([first], [], [], handle, self._compression)
         else:
-            tensors, ctxs = [], []
+            tensors, ctxs, sparse_dims = [], [], []
             for p in params:
                 grad = p.grad
-                if grad.is_sparse:
+                sparse_dims.append(grad.sparse_dim() if grad.is_sparse else None)
+                if grad.is_sparse:  # sparse_as_dense (or in a group): reduce densely, hand back sparse
                     grad = grad.to_dense()
                     p.grad = grad
                 elif not grad.is_contiguous():
@@ -254,7 +255,7 @@ class _DistributedOptimizer:
                 handle = grouped_allreduce_async_(tensors, name=f"group.{group_id}", op=self.op,
                                                   prescale_factor=prescale, postscale_factor=postscale,
                                                   process_set=self.process_set)
-            reduction = _Reduction(list(params), tensors, ctxs, handle, self._compression)
+            reduction = _Reduction(list(params), tensors, ctxs, handle, self._compression, sparse_dims)
         for p in params:
             self._pending[p] = reduction
 

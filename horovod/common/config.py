@@ -223,6 +223,10 @@ KNOBS: tuple[Knob, ...] = (
     Knob("disable_group_fusion", "HOROVOD_DISABLE_GROUP_FUSION", parse_bool, False,
          None, None, "Fuse grouped ops only with their own group.", None, _bool_env),
     Knob("elastic", "HOROVOD_ELASTIC", parse_bool, False, None, None, "Elastic mode.", None, _bool_env),
+    Knob("tls", "HOROVOD_TLS", parse_bool, False,
+         "--tls", bool, "Encrypt the rendezvous store and the TCP channels between ranks with mutual TLS "
+         "(a per-job certificate the launcher makes; needs the 'cryptography' package on the launcher's host).",
+         None, _bool_env),
 )
 
 KNOBS_BY_NAME: dict[str, Knob] = {k.name: k for k in KNOBS}
@@ -249,6 +253,7 @@ class RuntimeConfig:
     dynamic_process_sets: bool = False
     disable_group_fusion: bool = False
     elastic: bool = False
+    tls: bool = False
 
 
 # ---------------------------------------------------------------------------------------------- other variables
@@ -278,6 +283,8 @@ _OTHER_VARS: tuple[EnvVar, ...] = (
     EnvVar("HOROVOD_GLOO_RENDEZVOUS_PORT", _PORT, None, "the launcher's rendezvous store port"),
     EnvVar("HOROVOD_GLOO_IFACE", parse_str, "", "network interface to listen on"),
     EnvVar("HOROVOD_SECRET_KEY", parse_hex_key, None, "the per-job key (hex), set by the launcher"),
+    EnvVar("HOROVOD_TLS_CERT", parse_str, "", "the job's TLS certificate (PEM), set by horovodrun --tls"),
+    EnvVar("HOROVOD_TLS_KEY", parse_str, "", "the job's TLS private key (PEM), set by horovodrun --tls"),
     EnvVar("HOROVOD_CONTROLLER", functools.partial(parse_choice, choices=("gloo", "mpi")), "",
            "gloo (launcher's store) or mpi"),
     EnvVar("HOROVOD_CPU_OPERATIONS", functools.partial(parse_choice, choices=("gloo", "mpi")), "",

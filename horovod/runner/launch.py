@@ -5,6 +5,10 @@ create the per-job key, start the authenticated rendezvous store (:mod:`horovod.
 each worker's environment (the launcher → worker contract of docs/architecture.md) and hand the workers to
 the supervisor (:mod:`horovod.runner.spawn`), which forwards output and turns the first failure into the
 job's error.  ``--mpi`` hands the job to ``mpirun`` instead (:mod:`horovod.runner.mpi_run`).
+
+With ``--tls`` (``HOROVOD_TLS=1``) the launcher also makes the job's TLS certificate and key
+(:mod:`horovod.transport.tls`); the store serves TLS only and the workers get both in their environment,
+next to the job key (over ssh: on the remote watchdog's stdin).
 """
 
 from __future__ import annotations
@@ -156,10 +160,16 @@ def _nics(args: argparse.Namespace) -> list[str]:
 
 def worker_env(slot: hosts_mod.SlotInfo, *, base: dict[str, str], store_addr: str, store_port: int,
                key: bytes, knobs: dict[str, str], start_timeout: float, nics: Sequence[str] = (),
-               tcp: bool = False) -> dict[str, str]:
-    """The complete environment of one worker (the launcher → worker contract)."""
+               tcp: bool = False, tls: Any = None) -> dict[str, str]:
+    """The complete environment of one worker (the launcher → worker contract).
+
+    ``tls``: the job's :class:`horovod.transport.tls.JobCredentials` (``--tls``), else None.
+    """
+    from horovod.transport import tls as tls_mod
+
     env = dict(base)
-    env.pop("_HOROVOD_SECRET_KEY", None)
+    for name in ("_HOROVOD_SECRET_KEY", tls_mod.CERT_ENV, tls_mod.KEY_ENV):  # only the launcher's own
+        env.pop(name, None)
     env.update(knobs)
     env.update(slot.to_env())
     env.update({
@@ -176,7 +186,16 @@ def worker_env(slot: hosts_mod.SlotInfo, *, base: dict[str, str], store_addr: st
         env["NCCL_SOCKET_IFNAME"] = ",".join(nics)
     if tcp:
         env["NCCL_IB_DISABLE"] = "1"
+    if tls is not None:
+        env.update(tls_mod.worker_env(tls))
     return env
+
+
+def tls_requested(args: argparse.Namespace, knobs: dict[str, str]) -> bool:
+    """``--tls`` or ``HOROVOD_TLS`` in the workers' environment (``horovod.run``: its ``env``)."""
+    env = dict(args.env if getattr(args, "env", None) is not None else os.environ)
+    env.update(knobs)
+    return bool(config_mod.read_env("HOROVOD_TLS", env))
 
 
 def _command(args: argparse.Namespace) -> str | list[str]:
@@ -223,7 +242,13 @@ def _run(args: argparse.Namespace, stop_event: threading.Event | None = None) ->
               and h.hostname not in local_names]
     knobs = knobs_mod.knob_env(args)
     nics = _nics(args)
+    tls_on = tls_requested(args, knobs)
     if args.use_mpi:
+        if tls_on:
+            raise ValueError("--tls (HOROVOD_TLS=1) encrypts the built-in transport and the rendezvous store; under "
+                             "--mpi the job key, the data and the object pickles travel over Open MPI's transport, "
+                             "which TLS does not cover and which is not encrypted. Run without --mpi to encrypt "
+                             "everything between hosts, or without --tls (see docs/security.md).")
         return _run_mpi(args, hosts, knobs, start_timeout, remote)
 
     from horovod.runner import network
@@ -242,8 +267,14 @@ def _run(args: argparse.Namespace, stop_event: threading.Event | None = None) ->
     iface = network.choose_interface(remote, nics)
 
     key = auth.make_secret_key()
+    creds = job_tls = None
+    if tls_on:
+        from horovod.transport import tls as tls_mod
+
+        creds = tls_mod.make_credentials()
+        job_tls = tls_mod.JobTls(creds)
     store_addr = iface.address
-    server = RendezvousServer(key, addr=store_addr)
+    server = RendezvousServer(key, addr=store_addr, tls=job_tls)
     port = server.start()
     try:
         command = _run_func_command(args, server, store_addr, port) if args.run_func else _command(args)
@@ -253,16 +284,17 @@ def _run(args: argparse.Namespace, stop_event: threading.Event | None = None) ->
                                   cwd=None if s.hostname in local_names else cwd,
                                   env=worker_env(s, base=base, store_addr=store_addr, store_port=port,
                                                  key=key, knobs=knobs, start_timeout=start_timeout, nics=nics,
-                                                 tcp=args.tcp_flag))
+                                                 tcp=args.tcp_flag, tls=creds))
                  for s in slots]
         host_text = ",".join(f"{h.hostname}:{sum(1 for s in slots if s.hostname == h.hostname)}"
                              for h in hosts if any(s.hostname == h.hostname for s in slots))
         shown = command if isinstance(command, str) else shlex.join(command)
         logger.info("horovodrun: starting %d rank%s on %s (%s), network interface %s (%s), transport: "
-                    "built-in (gloo-compatible, shm/tcp), rendezvous %s:%d: %s", len(specs),
+                    "built-in (gloo-compatible, shm/tcp%s), rendezvous %s:%d: %s", len(specs),
                     "" if len(specs) == 1 else "s", host_text,
                     f"remote over ssh: {', '.join(remote)}" if remote else "this host",
-                    iface.name, iface.address, store_addr, port, shown)
+                    iface.name, iface.address, ", TLS on TCP and the store" if creds else "", store_addr, port,
+                    shown)
         started = time.monotonic()
         output = spawn.OutputOptions(prefix_timestamp=args.prefix_output_with_timestamp,
                                      output_dir=args.output_filename)

@@ -22,6 +22,12 @@ A signed request is accepted only if its timestamp is within :data:`WINDOW_SECON
 its nonce was not seen; nonces are remembered until their timestamp left the window, so a captured request can
 never be replayed (beyond :data:`NONCE_MEMORY` live nonces new requests are refused with 503, nothing is
 forgotten early).
+
+With ``tls`` (``horovodrun --tls``) every connection is mutual TLS with the job's certificate
+(:mod:`horovod.transport.tls`).  The I/O thread drives the server's handshakes non-blocking, inside the
+same ``read_timeout`` and pending-connection bounds as the heads (a handshake is a few CPU-bound steps,
+never a wait), so a stranger cannot pin it: a plaintext or certificate-less client is refused at its first
+bytes.  The request's signature is then checked as without TLS.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ import logging
 import queue
 import selectors
 import socket
+import ssl
 import threading
 import time
 import urllib.parse
@@ -42,6 +49,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from horovod.transport import store as store_mod
+from horovod.transport import tls as tls_mod
 from horovod.transport.store import (
     BODY_HASH_HEADER,
     DIGEST_HEADER,
@@ -92,6 +100,7 @@ _DRAIN_SECONDS = 1.0
 _METHODS = ("GET", "PUT", "DELETE")
 _MAX_NONCE = 64
 _MIN_NONCE = 16
+_WANT = (ssl.SSLWantReadError, ssl.SSLWantWriteError)
 
 
 def printable(text: str | bytes, limit: int = 100) -> str:
@@ -224,6 +233,8 @@ class _Conn:
     draining: bool = False
     drain_left: int = 0
     req: _Request | None = None
+    handshaking: bool = False  # TLS handshake not complete yet
+    want_write: bool = False  # the handshake waits for the socket to become writable
 
 
 class RendezvousServer:
@@ -239,8 +250,10 @@ class RendezvousServer:
     """
 
     def __init__(self, key: bytes, addr: str = "127.0.0.1", port: int = 0,
-                 max_body: int = MAX_BODY_BYTES, read_timeout: float = READ_TIMEOUT_SECONDS) -> None:
+                 max_body: int = MAX_BODY_BYTES, read_timeout: float = READ_TIMEOUT_SECONDS,
+                 tls: tls_mod.JobTls | None = None) -> None:
         self.key = key
+        self.tls = tls
         self.addr = addr
         self._port = port
         self.max_body = max_body
@@ -401,6 +414,7 @@ class RendezvousServer:
                         conn = skey.data
                         if pending.get(conn.sock.fileno()) is not conn:
                             continue  # closed earlier in this round
+                        was_waiting = conn.want_write
                         done = self._on_readable(conn)
                         if done == "close":
                             close(conn)
@@ -408,6 +422,9 @@ class RendezvousServer:
                             pending.pop(conn.sock.fileno(), None)
                             sel.unregister(conn.sock)
                             self._hand_over(conn)
+                        elif conn.want_write != was_waiting:
+                            sel.modify(conn.sock, selectors.EVENT_WRITE if conn.want_write else selectors.EVENT_READ,
+                                       conn)
                     elif skey.data == "wake":
                         with contextlib.suppress(OSError):
                             self._wake_r.recv(4096)
@@ -450,7 +467,15 @@ class RendezvousServer:
                 close(oldest)
             sock.setblocking(False)
             peer = f"{address[0]}:{address[1]}" if isinstance(address, tuple) else str(address)
-            conn = _Conn(sock, peer, time.monotonic() + self.read_timeout, bytearray())
+            if self.tls is not None:
+                try:
+                    sock = self.tls.server_socket(sock)
+                except (OSError, ValueError) as e:  # pragma: no cover - wrapping does no I/O
+                    logger.debug("rendezvous store: cannot wrap the connection from %s in TLS: %s", peer, e)
+                    sock.close()
+                    continue
+            conn = _Conn(sock, peer, time.monotonic() + self.read_timeout, bytearray(),
+                         handshaking=self.tls is not None)
             pending[sock.fileno()] = conn
             sel.register(sock, selectors.EVENT_READ, conn)
 
@@ -459,30 +484,59 @@ class RendezvousServer:
         if conn.draining:
             try:
                 data = conn.sock.recv(65536)
-            except BlockingIOError:
+            except (BlockingIOError, *_WANT):
                 return None
             except OSError:
                 return "close"
             conn.drain_left -= len(data)
             return "close" if not data or conn.drain_left <= 0 else None
-        before = len(conn.buf)
-        try:
-            data = conn.sock.recv(MAX_HEAD_BYTES + 4 - before)
-        except BlockingIOError:
-            return None
-        except OSError:
-            return "close"
-        if not data:
-            return "close"
-        conn.buf += data
-        end = conn.buf.find(b"\r\n\r\n", max(0, before - 3))
-        if end < 0:
+        if conn.handshaking:
+            state = self._tls_step(conn)
+            if state != "done":
+                return state
+        while True:
+            before = len(conn.buf)
+            try:
+                data = conn.sock.recv(MAX_HEAD_BYTES + 4 - before)
+            except (BlockingIOError, *_WANT):
+                return None
+            except OSError:
+                return "close"
+            if not data:
+                return "close"
+            conn.buf += data
+            end = conn.buf.find(b"\r\n\r\n", max(0, before - 3))
+            if end >= 0:
+                break
             if len(conn.buf) > MAX_HEAD_BYTES:
                 self._refuse(conn, 431, f"request head over {MAX_HEAD_BYTES} bytes", logging.DEBUG)
-            return None
+                return None
+            if not (isinstance(conn.sock, ssl.SSLSocket) and conn.sock.pending()):
+                return None  # else: a TLS record held more than we asked for; the selector would not tell
         head, rest = bytes(conn.buf[:end]), bytes(conn.buf[end + 4:])
         conn.buf = bytearray()
         return self._check_head(conn, head, rest)
+
+    def _tls_step(self, conn: _Conn) -> str | None:
+        """One non-blocking step of the TLS handshake: "done" (the peer has the job's certificate), "close"
+        (refused), or None (wait for the socket)."""
+        try:
+            conn.sock.do_handshake()  # type: ignore[attr-defined]
+            self.tls.check_peer(conn.sock)  # type: ignore[union-attr,arg-type]
+        except ssl.SSLWantReadError:
+            conn.want_write = False
+            return None
+        except ssl.SSLWantWriteError:
+            conn.want_write = True
+            return None
+        except OSError as e:  # not TLS, no certificate, another job's certificate, reset ...
+            reason = getattr(e, "reason", None) or type(e).__name__
+            self._log.log(logging.WARNING, "rendezvous store refused a connection from %s: TLS handshake failed "
+                          "(%s)", conn.peer, printable(str(reason), 120))
+            return "close"
+        conn.handshaking = False
+        conn.want_write = False
+        return "done"
 
     def _check_head(self, conn: _Conn, head: bytes, rest: bytes) -> str | None:
         """Parse and authenticate a request head; "handed" when the request may proceed to a worker."""

@@ -25,6 +25,12 @@ Nothing a stranger sends can hold up the mesh: one thread per rank drives every 
 connections handshake at once (beyond that the oldest is dropped; a real peer answers in one round trip,
 and a client whose connection was dropped retries until its deadline).  Refused strangers are logged with
 their address and byte count, sanitised and the first few only, and never blamed on a rank.
+
+With ``tls`` (``horovodrun --tls``, :mod:`horovod.transport.tls`) every TCP connection first completes a
+mutual TLS handshake with the job's certificate -- driven by the same selector, non-blocking, inside the
+same total deadline and slot -- and the HMAC handshake above then runs inside the encrypted stream; the
+channels are :class:`~horovod.transport.wire.TlsChannel`.  A peer without the job's certificate is refused
+at the TLS handshake, before any frame is read.  AF_UNIX connections (same host) stay in clear.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ import logging
 import secrets
 import selectors
 import socket
+import ssl
 import struct
 import threading
 import time
@@ -43,8 +50,9 @@ from typing import Any, Protocol
 from horovod.common import auth
 from horovod.common.config import env_bool
 from horovod.common.exceptions import WireError
+from horovod.transport import tls as tls_mod
 from horovod.transport.communicator import PeerFailure
-from horovod.transport.wire import HEADER, MAGIC, VERSION, Channel
+from horovod.transport.wire import HEADER, MAGIC, VERSION, Channel, make_channel
 
 __all__ = ["Mesh", "build_mesh", "advertise_address", "CTRL", "DATA"]
 
@@ -65,6 +73,9 @@ _PREAUTH_TIMEOUT = 2.0
 _MAX_PREAUTH = 64
 # Refusals logged one by one per mesh formation; the rest are counted in one line.
 _LOGGED_REFUSALS = 5
+_WANT = (ssl.SSLWantReadError, ssl.SSLWantWriteError)
+# TLS failures that mean the connection was dropped (retry), not that the peer refused us or is a stranger.
+_TLS_DROPPED = (ssl.SSLEOFError, ssl.SSLZeroReturnError, ssl.SSLSyscallError)
 
 
 class Store(Protocol):
@@ -82,6 +93,7 @@ class Mesh:
     ctrl: dict[int, Channel] = dataclasses.field(default_factory=dict)
     data: dict[int, Channel] = dataclasses.field(default_factory=dict)
     disable_shm: bool = False
+    tls: bool = False  # TCP channels are TLS (horovodrun --tls)
 
     def local_ranks(self, ranks: list[int] | None = None) -> list[int]:
         """The ranks (of ``ranks``, default all) on this rank's host, sorted."""
@@ -198,27 +210,29 @@ def _describe(conn: socket.socket, addr: Any) -> str:
 class _Pending:
     """One accepted connection that has not proved the key yet."""
 
-    __slots__ = ("sock", "who", "deadline", "out", "buf", "need", "nonce")
+    __slots__ = ("sock", "who", "deadline", "out", "buf", "need", "nonce", "handshaking")
 
-    def __init__(self, sock: socket.socket, who: str, deadline: float, hello: bytes, nonce: bytes) -> None:
+    def __init__(self, sock: socket.socket, who: str, deadline: float, hello: bytes, nonce: bytes,
+                 handshaking: bool = False) -> None:
         self.sock, self.who, self.deadline, self.out, self.nonce = sock, who, deadline, hello, nonce
         self.buf = bytearray()
         self.need = HEADER.size  # bytes of the AUTH frame known so far to be due (header, then header+payload)
+        self.handshaking = handshaking  # the TLS handshake is not complete yet
 
 
 class _Acceptor(threading.Thread):
     """Accepts the expected inbound connections on both listeners, every handshake in parallel.
 
     One selector drives all pending connections with non-blocking sockets; each has ``_PREAUTH_TIMEOUT``
-    seconds in total and ``_MAX_PREAUTH_BYTES`` to prove the key.  Authenticated sockets become blocking
-    :class:`Channel` objects in ``channels``.
+    seconds in total and ``_MAX_PREAUTH_BYTES`` to prove the key (with ``tls``: the TLS handshake first,
+    in the same deadline).  Authenticated sockets become :class:`Channel` objects in ``channels``.
     """
 
     def __init__(self, listeners: list[socket.socket], expected: set[tuple[int, int]], key: bytes,
-                 scope: str, rank: int, deadline: float) -> None:
+                 scope: str, rank: int, deadline: float, tls: tls_mod.JobTls | None = None) -> None:
         super().__init__(name=f"hvd-mesh-accept-{rank}", daemon=True)
         self.listeners, self.expected, self.key = listeners, expected, key
-        self.scope, self.rank, self.deadline = scope, rank, deadline
+        self.scope, self.rank, self.deadline, self.tls = scope, rank, deadline, tls
         self.channels: dict[tuple[int, int], Channel] = {}
         self.error: BaseException | None = None
         self.stop = False
@@ -276,34 +290,87 @@ class _Acceptor(threading.Thread):
                 oldest = next(iter(self._pending.values()))
                 self._refuse(oldest, f"dropped: more than {_MAX_PREAUTH} connections were handshaking at once",
                              answer=False)
+            who = _describe(conn, addr)
+            handshaking = self.tls is not None and conn.family != socket.AF_UNIX
+            if handshaking:
+                try:
+                    conn = self.tls.server_socket(conn)  # type: ignore[union-attr]
+                except (OSError, ValueError) as e:  # pragma: no cover - wrapping does no I/O
+                    logger.debug("rank %d: cannot wrap a connection from %s in TLS: %s", self.rank, who, e)
+                    conn.close()
+                    continue
             nonce = auth.nonce()
             payload = nonce + _scope_bytes(self.scope)
-            p = _Pending(conn, _describe(conn, addr), time.monotonic() + _PREAUTH_TIMEOUT,
-                         HEADER.pack(MAGIC, VERSION, _HELLO, len(payload)) + payload, nonce)
+            p = _Pending(conn, who, time.monotonic() + _PREAUTH_TIMEOUT,
+                         HEADER.pack(MAGIC, VERSION, _HELLO, len(payload)) + payload, nonce, handshaking)
             self._pending[conn.fileno()] = p
-            self._sel.register(conn, selectors.EVENT_READ | selectors.EVENT_WRITE, p)
-            self._step(p, selectors.EVENT_WRITE)
+            if handshaking:  # the client speaks first (ClientHello)
+                self._sel.register(conn, selectors.EVENT_READ, p)
+                self._step(p, selectors.EVENT_READ)
+            else:
+                self._sel.register(conn, selectors.EVENT_READ | selectors.EVENT_WRITE, p)
+                self._step(p, selectors.EVENT_WRITE)
+
+    def _tls_handshake(self, p: _Pending) -> bool:
+        """One non-blocking step of the server's TLS handshake; True once it completed with the job's cert."""
+        try:
+            p.sock.do_handshake()  # type: ignore[attr-defined]
+        except ssl.SSLWantReadError:
+            self._sel.modify(p.sock, selectors.EVENT_READ, p)
+            return False
+        except ssl.SSLWantWriteError:
+            self._sel.modify(p.sock, selectors.EVENT_WRITE, p)
+            return False
+        except OSError as e:  # SSLError included: not TLS, no certificate, another job's certificate ...
+            reason = getattr(e, "reason", None) or f"{type(e).__name__}: {e}"
+            self._refuse(p, f"TLS handshake failed ({_shown(str(reason), 120)})", answer=False)
+            return False
+        try:
+            self.tls.check_peer(p.sock)  # type: ignore[union-attr,arg-type]
+        except tls_mod.TlsError as e:
+            self._refuse(p, str(e), answer=False)
+            return False
+        p.handshaking = False
+        self._sel.modify(p.sock, selectors.EVENT_READ | selectors.EVENT_WRITE, p)
+        return True
 
     def _step(self, p: _Pending, events: int) -> None:
+        if p.handshaking:
+            if not self._tls_handshake(p):
+                return
+            events = selectors.EVENT_WRITE  # the HELLO goes out now; the client's AUTH comes after it
         try:
             if events & selectors.EVENT_WRITE and p.out:
-                p.out = p.out[p.sock.send(p.out):]
+                p.out = p.out[p.sock.send(p.out):]  # after a TLS "want", the same bytes are offered again
                 if not p.out:
                     self._sel.modify(p.sock, selectors.EVENT_READ, p)
-            if not events & selectors.EVENT_READ:
-                return
-            chunk = p.sock.recv(p.need - len(p.buf))
-        except (BlockingIOError, InterruptedError):
+        except (BlockingIOError, InterruptedError, *_WANT):
             return
         except OSError as e:
             self._refuse(p, f"{type(e).__name__}: {e}", answer=False)
             return
+        if not events & selectors.EVENT_READ:
+            return
+        # A TLS record may hold more than was asked for: keep reading what the SSL object already decrypted.
+        while self._read_auth(p) and p.sock.fileno() in self._pending and isinstance(p.sock, ssl.SSLSocket) \
+                and p.sock.pending():
+            pass
+
+    def _read_auth(self, p: _Pending) -> bool:
+        """Read the next part of the AUTH frame; True if bytes were consumed and the connection still waits."""
+        try:
+            chunk = p.sock.recv(p.need - len(p.buf))
+        except (BlockingIOError, InterruptedError, *_WANT):
+            return False
+        except OSError as e:
+            self._refuse(p, f"{type(e).__name__}: {e}", answer=False)
+            return False
         if not chunk:
             self._refuse(p, "closed the connection", answer=False)
-            return
+            return False
         p.buf += chunk
         if len(p.buf) < p.need:
-            return
+            return True
         try:
             if p.need == HEADER.size:
                 magic, version, kind, n = HEADER.unpack(p.buf)
@@ -312,22 +379,23 @@ class _Acceptor(threading.Thread):
                 if not _AUTH_FMT.size <= n <= _MAX_PREAUTH_BYTES - HEADER.size:
                     raise _Refused(f"AUTH frame of {n} bytes")
                 p.need = HEADER.size + n
-                return
+                return True
             client, kind, ok = _check_auth(bytes(p.buf[HEADER.size:]), self.key, self.scope, self.rank, p.nonce)
             if (client, kind) not in self.expected or (client, kind) in self.channels:
                 raise _Refused(f"unexpected {_KIND_NAMES.get(kind, kind)} connection claiming rank {client}")
         except _Refused as e:
             self._refuse(p, str(e), answer=True)
-            return
+            return False
         self._forget(p, close=False)
-        ch = Channel(p.sock, client, max(0.05, self.deadline - time.monotonic()))
+        ch = make_channel(p.sock, client, max(0.05, self.deadline - time.monotonic()))
         try:
             ch.send_msg(_OK, ok)
         except (PeerFailure, OSError) as e:
             logger.warning("rank %d lost the connection of rank %d during the handshake: %s", self.rank, client, e)
             ch.close()
-            return
+            return False
         self.channels[(client, kind)] = ch
+        return False
 
     def _refuse(self, p: _Pending, why: str, *, answer: bool) -> None:
         """Drop a connection that did not prove the key; ``answer``: tell it why first (best effort)."""
@@ -375,8 +443,37 @@ def _connect(rec: dict[str, Any], use_unix: bool, deadline: float) -> socket.soc
             delay = min(delay * 2, 0.5)
 
 
+def _tls_refusal(e: BaseException | None) -> bool:
+    """A TLS error that retrying cannot fix: a certificate or protocol failure, not a dropped connection."""
+    return isinstance(e, ssl.SSLError) and not isinstance(e, (*_TLS_DROPPED, *_WANT))
+
+
+def _tls_connect(sock: socket.socket, tls: tls_mod.JobTls, rec: dict[str, Any], deadline: float, rank: int,
+                 peer: int) -> socket.socket:
+    """The client's TLS handshake with ``peer``.
+
+    Raises:
+        WireError: the peer is not this job's (its certificate) or does not speak TLS there.
+        PeerFailure: the connection dropped or timed out (retryable).
+    """
+    sock.settimeout(max(0.05, deadline - time.monotonic()))
+    try:
+        return tls.client_socket(sock)
+    except (ssl.SSLCertVerificationError, tls_mod.TlsError) as e:
+        sock.close()
+        raise WireError(f"rank {peer} at {rec.get('addr')}:{rec.get('port')} did not present this job's TLS "
+                        f"certificate ({_shown(str(e), 160)}); rank {rank} refused it") from e
+    except OSError as e:
+        sock.close()
+        if _tls_refusal(e):
+            raise WireError(f"TLS handshake of rank {rank} with rank {peer} at {rec.get('addr')}:"
+                            f"{rec.get('port')} failed: {_shown(str(e), 160)} (is every rank started with "
+                            "the same horovodrun --tls job?)") from e
+        raise PeerFailure(peer, f"TLS handshake failed: {e}") from e
+
+
 def _connect_and_prove(rec: dict[str, Any], use_unix: bool, deadline: float, key: bytes, scope: str, rank: int,
-                       peer: int, kind: int) -> Channel:
+                       peer: int, kind: int, tls: tls_mod.JobTls | None = None) -> Channel:
     """Connect to ``peer`` and run the client handshake; a connection the server dropped before answering
     (it was busy with strangers, or we were slow) is retried until the deadline."""
     delay = 0.01
@@ -385,12 +482,27 @@ def _connect_and_prove(rec: dict[str, Any], use_unix: bool, deadline: float, key
             sock = _connect(rec, use_unix, deadline)
         except OSError as e:
             raise PeerFailure(peer, f"cannot connect to {rec}: {e}") from e
-        ch = Channel(sock, peer, max(0.05, deadline - time.monotonic()))
+        try:
+            if tls is not None and not use_unix:
+                sock = _tls_connect(sock, tls, rec, deadline, rank, peer)
+        except PeerFailure:
+            if time.monotonic() + delay >= deadline:
+                raise
+            time.sleep(delay)
+            delay = min(delay * 2, 0.2)
+            continue
+        ch = make_channel(sock, peer, max(0.05, deadline - time.monotonic()))
         try:
             _client_handshake(ch, key, scope, rank, peer, kind)
             return ch
         except PeerFailure as e:
             ch.close()
+            if not isinstance(e, WireError) and _tls_refusal(e.__cause__):
+                # TLS 1.3: the server checks our certificate after our side of the handshake completed, so
+                # its refusal arrives as an alert on the first read.
+                raise WireError(f"rank {peer} refused the TLS connection of rank {rank}: "
+                                f"{_shown(str(e.__cause__), 160)} (does every rank have this job's "
+                                "certificate?)") from e
             if isinstance(e, WireError) or time.monotonic() + delay >= deadline:
                 raise
             logger.debug("rank %d: rank %d dropped the handshake (%s); retrying", rank, peer, e)
@@ -402,7 +514,8 @@ def _connect_and_prove(rec: dict[str, Any], use_unix: bool, deadline: float, key
 
 
 def build_mesh(rank: int, size: int, hostname: str, store: Store, key: bytes, *, scope: str,
-               timeout: float, iface_addr: str | None = None, disable_shm: bool | None = None) -> Mesh:
+               timeout: float, iface_addr: str | None = None, disable_shm: bool | None = None,
+               tls: tls_mod.JobTls | bool | None = None) -> Mesh:
     """Connect this rank to every other rank of the job and return its :class:`Mesh`.
 
     Args:
@@ -411,14 +524,18 @@ def build_mesh(rank: int, size: int, hostname: str, store: Store, key: bytes, *,
         iface_addr: the address to listen on and to publish (default: all interfaces / see
             :func:`advertise_address`).
         disable_shm: use TCP between same-host peers too (default: ``HOROVOD_SHM_DISABLE``).
+        tls: encrypt the TCP channels with this job identity (default: ``HOROVOD_TLS`` and the credentials
+            the launcher put in the environment; False: never), see :mod:`horovod.transport.tls`.
     Raises:
         PeerFailure: a peer was not reachable, or did not connect, before the deadline.
-        WireError: a peer we connected to failed to prove the job key.
+        WireError: a peer we connected to failed to prove the job key (or the job's TLS certificate).
+        ValueError: ``HOROVOD_TLS`` is on but the environment has no job certificate (not under horovodrun).
     """
     if disable_shm is None:
         disable_shm = env_bool("HOROVOD_SHM_DISABLE")
+    job_tls = tls_mod.resolve(tls)
     if size == 1:
-        return Mesh(rank, size, [hostname], disable_shm=disable_shm)
+        return Mesh(rank, size, [hostname], disable_shm=disable_shm, tls=job_tls is not None)
     deadline = time.monotonic() + timeout
 
     tcp = socket.socket(socket.AF_INET6 if iface_addr and ":" in iface_addr else socket.AF_INET,
@@ -432,11 +549,11 @@ def build_mesh(rank: int, size: int, hostname: str, store: Store, key: bytes, *,
     unix.listen(max(64, 2 * size))
     listeners = [tcp, unix]
 
-    mesh = Mesh(rank, size, [""] * size, disable_shm=disable_shm)
+    mesh = Mesh(rank, size, [""] * size, disable_shm=disable_shm, tls=job_tls is not None)
     expected = {(peer, DATA) for peer in range(rank + 1, size)}
     if rank == 0:
         expected |= {(peer, CTRL) for peer in range(1, size)}
-    acceptor = _Acceptor(listeners, expected, key, scope, rank, deadline)
+    acceptor = _Acceptor(listeners, expected, key, scope, rank, deadline, job_tls)
     acceptor.start()
     try:
         record = {"host": hostname, "port": tcp.getsockname()[1], "unix": unix_name,
@@ -460,7 +577,7 @@ def build_mesh(rank: int, size: int, hostname: str, store: Store, key: bytes, *,
             use_unix = not disable_shm and rec["host"] == hostname and bool(rec.get("unix"))
             for kind in ((CTRL, DATA) if peer == 0 else (DATA,)):
                 (mesh.ctrl if kind == CTRL else mesh.data)[peer] = _connect_and_prove(
-                    rec, use_unix, deadline, key, scope, rank, peer, kind)
+                    rec, use_unix, deadline, key, scope, rank, peer, kind, job_tls)
         acceptor.join(max(0.0, deadline - time.monotonic()))
         if acceptor.error is not None:
             raise acceptor.error
@@ -484,6 +601,6 @@ def build_mesh(rank: int, size: int, hostname: str, store: Store, key: bytes, *,
             lst.close()
     for ch in [*mesh.ctrl.values(), *mesh.data.values()]:
         ch.settimeout(timeout)
-    logger.debug("rank %d mesh formed: %d data channels (%d unix)", rank, len(mesh.data),
-                 sum(ch.is_unix for ch in mesh.data.values()))
+    logger.debug("rank %d mesh formed: %d data channels (%d unix)%s", rank, len(mesh.data),
+                 sum(ch.is_unix for ch in mesh.data.values()), ", TCP channels in TLS" if job_tls else "")
     return mesh

@@ -12,6 +12,10 @@ Both directions prove the job key (docs/architecture.md, "Rendezvous store"):
   checks the body against the signed hash.  So an answer from something without the key, an answer to another
   request (replayed) or an altered one is refused before its bytes reach the caller -- which may unpickle them
   (``horovod.run`` does).
+
+With ``horovodrun --tls`` (``HOROVOD_TLS=1``; :mod:`horovod.transport.tls`) the same HTTP exchange runs inside
+mutual TLS with the job's certificate, so values (addresses, ``horovod.run``'s pickled function and results)
+are also hidden from the network; every signature is still checked.
 """
 
 from __future__ import annotations
@@ -19,11 +23,13 @@ from __future__ import annotations
 import hashlib
 import hmac
 import socket
+import ssl
 import threading
 import time
 import urllib.parse
 
 from horovod.common import auth
+from horovod.transport import tls as tls_mod
 
 __all__ = ["StoreClient", "InMemoryStore", "StoreError", "request_digest", "answer_digest", "sign_request",
            "NONCE_HEADER", "TIME_HEADER", "BODY_HASH_HEADER", "DIGEST_HEADER"]
@@ -126,13 +132,22 @@ def _hex(headers: dict[str, str], name: str, size: int | tuple[int, int]) -> byt
 
 
 class StoreClient:
-    """Talks to the launcher's rendezvous store.  Keys are ``scope/name`` strings."""
+    """Talks to the launcher's rendezvous store.  Keys are ``scope/name`` strings.
 
-    def __init__(self, addr: str, port: int, key: bytes, timeout: float = 30.0) -> None:
+    ``tls``: talk TLS with this job identity (default: ``HOROVOD_TLS`` and the credentials the launcher put
+    in the environment; False: never).
+
+    Raises (constructor):
+        ValueError: ``HOROVOD_TLS`` is on but the environment has no job certificate.
+    """
+
+    def __init__(self, addr: str, port: int, key: bytes, timeout: float = 30.0, *,
+                 tls: tls_mod.JobTls | bool | None = None) -> None:
         self.addr = addr
         self.port = int(port)
         self.key = key
         self.timeout = timeout
+        self.tls = tls_mod.resolve(tls)
 
     def _where(self) -> str:
         return f"rendezvous store at {self.addr}:{self.port}"
@@ -160,6 +175,8 @@ class StoreClient:
             sock = socket.create_connection((self.addr, self.port), timeout=self.timeout)
         except OSError as e:
             raise StoreError(f"{self._where()} unreachable: {e}") from e
+        if self.tls is not None:
+            sock = self._tls_handshake(sock)
         with sock:
             try:
                 sock.sendall(head)
@@ -173,6 +190,20 @@ class StoreClient:
                 return self._read_answer(sock, method, path, nonce, deadline)
             except OSError as e:
                 raise StoreError(f"{self._where()} unreachable: {send_error or e}") from e
+
+    def _tls_handshake(self, sock: socket.socket) -> ssl.SSLSocket:
+        try:
+            return self.tls.client_socket(sock)  # type: ignore[union-attr]
+        except (ssl.SSLCertVerificationError, tls_mod.TlsError) as e:
+            raise StoreError(f"{self._where()} did not present this job's TLS certificate ({e}); refusing it") \
+                from None
+        except ssl.SSLError as e:
+            raise StoreError(f"TLS handshake with the {self._where()} failed: {e} (is the store running without "
+                             "--tls, or for another job?)") from None
+        except OSError as e:
+            raise StoreError(f"{self._where()} unreachable (TLS handshake): {e}") from e
+        finally:
+            sock.close()  # detached into the TLS socket on success: a no-op then
 
     def _read_answer(self, sock: socket.socket, method: str, path: str, nonce: bytes,
                      deadline: float) -> tuple[int, bytes]:

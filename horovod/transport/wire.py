@@ -11,7 +11,16 @@ share it, always in the same order on both sides:
 The socket stays in blocking mode (one syscall per call, no poll before it) and gets its deadline from the
 kernel (``SO_RCVTIMEO``/``SO_SNDTIMEO``), so every wait is bounded by ``timeout`` without any Python-side
 polling.  Collectives that must send and receive at once use :func:`exchange`, which drives several
-channels with ``MSG_DONTWAIT`` and ``poll`` so large messages never deadlock on full socket buffers.
+channels with non-blocking calls (:meth:`Channel.try_send`, :meth:`Channel.try_recv_into`) and ``poll`` so
+large messages never deadlock on full socket buffers.
+
+:class:`TlsChannel` is the same contract over an ``ssl.SSLSocket`` (``horovodrun --tls``).  ``SSLSocket``
+takes no ``MSG_*`` flags and ignores the kernel's ``SO_RCVTIMEO`` (OpenSSL retries the read), so its socket
+stays non-blocking and every wait is a ``poll`` with the channel's deadline.  Frames stay aligned with TLS
+records: every send is written with its own ``SSL_write`` calls and OpenSSL reads exactly one record at a
+time from the kernel, so once a whole frame was read nothing of the next one sits decrypted inside the SSL
+object -- a selector on :meth:`Channel.fileno` (the engine's control loop) sees every frame that arrives
+(:meth:`Channel.pending` says how many bytes are buffered; tests check that it is 0 after each frame).
 """
 
 from __future__ import annotations
@@ -20,7 +29,9 @@ import logging
 import os
 import select
 import socket
+import ssl
 import struct
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -30,8 +41,8 @@ import numpy as np
 from horovod.common.exceptions import WireError
 from horovod.transport.communicator import PeerFailure
 
-__all__ = ["Channel", "TruncatedFrame", "MAGIC", "VERSION", "HEADER", "MAX_FRAME", "byte_view", "exchange",
-           "Transfer"]
+__all__ = ["Channel", "TlsChannel", "make_channel", "TruncatedFrame", "MAGIC", "VERSION", "HEADER", "MAX_FRAME",
+           "byte_view", "exchange", "Transfer"]
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +55,11 @@ _SMALL = 64 * 1024
 _TIMEVAL = struct.Struct("ll")
 _WAITALL = socket.MSG_WAITALL
 _DONTWAIT = socket.MSG_DONTWAIT
+# Plaintext bytes handed to one SSL_write: bounds what a non-blocking send must retry unchanged, and lets
+# :func:`exchange` see progress (and reset its deadline) while a large buffer is being encrypted and sent.
+_TLS_CHUNK = 256 * 1024
+_WANT = (ssl.SSLWantReadError, ssl.SSLWantWriteError)
+_TLS_EOF = (ssl.SSLEOFError, ssl.SSLZeroReturnError)
 
 
 class TruncatedFrame(PeerFailure, WireError):
@@ -132,10 +148,10 @@ class Channel:
         header = HEADER.pack(MAGIC, VERSION, kind, n)
         try:
             if n <= _SMALL:
-                self.sock.sendall(header + payload if n else header)
+                self._sendall(header + payload if n else header)
             else:
-                self.sock.sendall(header)
-                self.sock.sendall(payload)
+                self._sendall(header)
+                self._sendall(payload)
         except OSError as e:
             raise self._fail(e, "sending a frame") from e
 
@@ -151,15 +167,18 @@ class Channel:
             raise WireError(f"frame of {n} bytes from rank {self.peer} exceeds the {max_len}-byte limit")
         if n == 0:
             return kind, b""
+        return kind, self._recv_payload(n)
+
+    def _recv_payload(self, n: int) -> bytes:
         try:
             data = self.sock.recv(n, _WAITALL)
         except OSError as e:
             raise self._fail(e, "receiving a frame payload") from e
         if len(data) == n:
-            return kind, data
+            return data
         rest = bytearray(n - len(data))
         self._recv_exact(memoryview(rest), "receiving a frame payload", in_frame=True)
-        return kind, data + rest
+        return data + rest
 
     # -- raw buffers ---------------------------------------------------------------------------------
     def send_buffer(self, buf: Any) -> None:
@@ -168,7 +187,7 @@ class Channel:
         if not view.nbytes:
             return
         try:
-            self.sock.sendall(view)
+            self._sendall(view)
         except OSError as e:
             raise self._fail(e, f"sending {view.nbytes} bytes") from e
 
@@ -181,10 +200,10 @@ class Channel:
     def _recv_exact(self, view: memoryview, what: str, in_frame: bool = False) -> None:
         """Fill ``view``; EOF after part of a frame (``in_frame`` or a partial read) is a TruncatedFrame."""
         got, n = 0, view.nbytes
-        recv_into = self.sock.recv_into
+        recv_into = self._recv_into
         while got < n:
             try:
-                k = recv_into(view[got:] if got else view, n - got, _WAITALL)
+                k = recv_into(view[got:] if got else view, n - got)
             except OSError as e:
                 raise self._fail(e, what) from e
             if k == 0:
@@ -193,6 +212,35 @@ class Channel:
                                          closed=True)
                 raise self._fail(None, what)
             got += k
+
+    # -- socket primitives (TlsChannel overrides these) ----------------------------------------------
+    def _sendall(self, data: bytes | bytearray | memoryview) -> None:
+        self.sock.sendall(data)
+
+    def _recv_into(self, view: memoryview, n: int) -> int:
+        """Blocking receive of up to ``n`` bytes (all of them unless EOF or the deadline); 0 = EOF."""
+        return self.sock.recv_into(view, n, _WAITALL)
+
+    def try_send(self, view: memoryview) -> int | None:
+        """Send what the socket takes now without waiting: bytes sent, or None if it would block.
+
+        A None must be followed by a retry with the same bytes at the same position (TLS requires it).
+        """
+        try:
+            return self.sock.send(view, _DONTWAIT)
+        except BlockingIOError:
+            return None
+
+    def try_recv_into(self, view: memoryview, n: int) -> int | None:
+        """Receive what has arrived, up to ``n`` bytes, without waiting: bytes received (0 = EOF) or None."""
+        try:
+            return self.sock.recv_into(view, n, _DONTWAIT)
+        except BlockingIOError:
+            return None
+
+    def pending(self) -> int:
+        """Bytes already received and buffered in user space (always 0 without TLS)."""
+        return 0
 
     # -- file descriptors (AF_UNIX only) ---------------------------------------------------------------
     def send_fd(self, kind: int, fd: int, payload: bytes = b"") -> None:
@@ -230,6 +278,113 @@ class Channel:
             self._recv_exact(memoryview(buf), "receiving a descriptor payload")
             payload = bytes(buf)
         return fds[0], payload
+
+
+class TlsChannel(Channel):
+    """A :class:`Channel` over a connected ``ssl.SSLSocket`` that completed its handshake (``--tls``).
+
+    The socket is kept non-blocking: a call that cannot go on waits in ``poll`` until the socket is ready
+    or ``timeout`` passed without progress (the deadline the kernel enforces for a plain channel).
+    Decryption errors (an altered record) and TLS alerts are :class:`PeerFailure`, like a reset.
+
+    One thread may receive while another sends (the engine reads a control channel while the keep-alive
+    thread writes to it), but an OpenSSL connection must not be used by two threads at once: every SSL
+    call -- never a wait, they do not block -- runs under the channel's lock.
+    """
+
+    __slots__ = ("_lock",)
+
+    def __init__(self, sock: socket.socket, peer: int, timeout: float | None = None) -> None:
+        self._lock = threading.Lock()
+        super().__init__(sock, peer, timeout)
+
+    def settimeout(self, seconds: float | None) -> None:
+        """Bound every wait without progress to ``seconds`` (None: no bound), checked in ``poll``."""
+        self._timeout = seconds
+        self.sock.setblocking(False)
+
+    def __repr__(self) -> str:
+        return f"TlsChannel(peer={self.peer}, fd={self.sock.fileno()})"
+
+    def close(self) -> None:
+        with self._lock:  # not in the middle of another thread's SSL call
+            super().close()
+
+    def _deadline(self) -> float | None:
+        t = self._timeout
+        return None if t is None or t <= 0 else time.monotonic() + t
+
+    def _wait(self, events: int, deadline: float | None) -> None:
+        remaining = None if deadline is None else deadline - time.monotonic()
+        if remaining is not None and remaining <= 0:
+            raise TimeoutError("timed out")
+        poller = select.poll()
+        poller.register(self.sock.fileno(), events)
+        poller.poll(None if remaining is None else remaining * 1000.0)
+
+    def _sendall(self, data: bytes | bytearray | memoryview) -> None:
+        view = data if isinstance(data, memoryview) else memoryview(data)
+        if view.format != "B" or view.ndim != 1:
+            view = view.cast("B")
+        done, n = 0, view.nbytes
+        send, lock = self.sock.send, self._lock
+        deadline = self._deadline()
+        while done < n:
+            try:
+                with lock:
+                    done += send(view[done:done + _TLS_CHUNK])  # after a "want", the same bytes again
+            except ssl.SSLWantWriteError:
+                self._wait(select.POLLOUT, deadline)
+                continue
+            except ssl.SSLWantReadError:
+                self._wait(select.POLLIN, deadline)
+                continue
+            deadline = self._deadline()
+
+    def _recv_into(self, view: memoryview, n: int) -> int:
+        deadline = self._deadline()
+        while True:
+            try:
+                with self._lock:
+                    return self.sock.recv_into(view, n)
+            except ssl.SSLWantReadError:
+                self._wait(select.POLLIN, deadline)
+            except ssl.SSLWantWriteError:
+                self._wait(select.POLLOUT, deadline)
+            except _TLS_EOF:
+                return 0
+
+    def _recv_payload(self, n: int) -> bytes:
+        buf = bytearray(n)
+        self._recv_exact(memoryview(buf), "receiving a frame payload", in_frame=True)
+        return bytes(buf)
+
+    def try_send(self, view: memoryview) -> int | None:
+        try:
+            with self._lock:
+                return self.sock.send(view[:_TLS_CHUNK])
+        except _WANT:
+            return None
+
+    def try_recv_into(self, view: memoryview, n: int) -> int | None:
+        try:
+            with self._lock:
+                return self.sock.recv_into(view, n)
+        except _WANT:
+            return None
+        except _TLS_EOF:
+            return 0
+
+    def pending(self) -> int:
+        with self._lock:
+            return self.sock.pending()
+
+
+def make_channel(sock: socket.socket, peer: int, timeout: float | None = None) -> Channel:
+    """The channel type for ``sock``: :class:`TlsChannel` for an ``ssl.SSLSocket``, else :class:`Channel`."""
+    if isinstance(sock, ssl.SSLSocket):
+        return TlsChannel(sock, peer, timeout)
+    return Channel(sock, peer, timeout)
 
 
 def _close_fd(fd: int) -> None:
@@ -278,11 +433,11 @@ def exchange(sends: Sequence[Transfer], recvs: Sequence[Transfer], timeout: floa
             if t.done >= t.limit:
                 continue
             try:
-                k = t.channel.sock.send(t.view[t.done:t.limit], _DONTWAIT)
-            except BlockingIOError:
-                continue
+                k = t.channel.try_send(t.view[t.done:t.limit])
             except OSError as e:
                 raise t.channel._fail(e, "sending") from e
+            if k is None:
+                continue
             t.done += k
             progressed = True
         if progressed:
@@ -291,11 +446,11 @@ def exchange(sends: Sequence[Transfer], recvs: Sequence[Transfer], timeout: floa
             break  # the common two-member case: one blocking receive, no poll
         for t in pending_r:
             try:
-                k = t.channel.sock.recv_into(t.view[t.done:], t.view.nbytes - t.done, _DONTWAIT)
-            except BlockingIOError:
-                continue
+                k = t.channel.try_recv_into(t.view[t.done:], t.view.nbytes - t.done)
             except OSError as e:
                 raise t.channel._fail(e, "receiving") from e
+            if k is None:
+                continue
             if k == 0:
                 raise t.channel._fail(None, "receiving")
             t.done += k

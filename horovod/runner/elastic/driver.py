@@ -115,6 +115,7 @@ class ElasticDriver:
             grace = read_env("HOROVOD_ELASTIC_GRACE_SECONDS", base_env)
         self.grace = grace
         self.key = auth.make_secret_key()
+        self.tls: Any = None  # the job's TLS credentials (horovodrun --tls), made in run()
         self.server: Any = None
         self.generation = -1
         self.plan = _Plan({})
@@ -146,7 +147,13 @@ class ElasticDriver:
         from horovod.runner.rendezvous import RendezvousServer
 
         self.hosts.update_available_hosts()  # the first discovery failure is fatal (upstream)
-        self.server = RendezvousServer(self.key, addr=self._bind_address())
+        job_tls = None
+        if read_env("HOROVOD_TLS", {**self.base_env, **self.knobs}):
+            from horovod.transport import tls as tls_mod
+
+            self.tls = tls_mod.make_credentials()
+            job_tls = tls_mod.JobTls(self.tls)
+        self.server = RendezvousServer(self.key, addr=self._bind_address(), tls=job_tls)
         self.server.start()
         try:
             self._wait_for_slots(self.num_proc, "to start")
@@ -362,7 +369,7 @@ class ElasticDriver:
         store_addr, store_port = self._store_endpoint(s.hostname)
         env = worker_env(s, base=self.base_env, store_addr=store_addr,
                          store_port=store_port, key=self.key, knobs=self.knobs,
-                         start_timeout=self.start_timeout, nics=self.nics)
+                         start_timeout=self.start_timeout, nics=self.nics, tls=self.tls)
         for name in _RANK_VARS:
             env.pop(name, None)
         env.update({"HOROVOD_ELASTIC": "1", "HOROVOD_ELASTIC_SLOT": slot,

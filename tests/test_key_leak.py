@@ -1,5 +1,5 @@
 """The job key never leaks: not in a command line, the launcher's output, debug logs, exception texts, the
-timeline or any file the job writes (issue 10).
+timeline or any file the job writes (issue 10).  Neither does the TLS private key of ``--tls`` jobs.
 
 Real jobs run under ``horovodrun`` as users run them -- a static ``-np 2`` numpy job that also hits a
 mismatched allreduce, writes a timeline and ends with a worker's uncaught error; an elastic job with a
@@ -13,6 +13,10 @@ hex (both cases), raw bytes and base64 (standard, URL-safe, with and without pad
 * the launcher's stdout and stderr (workers' output, logs and tracebacks included);
 * every file written under the job's directory (timeline, ``--output-filename`` logs, results) and every
   new entry in the temporary directory and ``/dev/shm``.
+
+With ``--tls`` (a static job over TCP channels, the elastic job, the ssh job) the TLS private key is read from
+the workers' ``HOROVOD_TLS_KEY`` the same way and searched for in the same places: as PEM, as each line and
+the whole of its base64 body, as DER (raw, hex, base64) and as its raw private scalar (raw, hex).
 """
 
 from __future__ import annotations
@@ -76,9 +80,26 @@ def key_forms(key_hex: str) -> dict[str, bytes]:
     return forms
 
 
-def find_leaks(keys: set[str], where: str, data: bytes) -> list[str]:
-    return [f"{name} form of the key in {where}" for k in keys for name, form in key_forms(k).items()
-            if form in data]
+def tls_key_forms(pem: str) -> dict[str, bytes]:
+    """Every spelling of a TLS private key (PEM) we search for."""
+    from cryptography.hazmat.primitives import serialization
+
+    lines = [line for line in pem.strip().splitlines() if line and not line.startswith("-----")]
+    der = base64.b64decode("".join(lines))
+    key = serialization.load_der_private_key(der, password=None)
+    scalar = key.private_numbers().private_value.to_bytes(32, "big")  # type: ignore[union-attr]
+    forms = {"PEM": pem.strip().encode(), "base64 body": "".join(lines).encode(), "DER": der,
+             "DER hex": der.hex().encode(), "DER base64url": base64.urlsafe_b64encode(der).rstrip(b"="),
+             "scalar": scalar, "scalar hex": scalar.hex().encode(), "scalar HEX": scalar.hex().upper().encode()}
+    forms.update({f"base64 line {i}": line.encode() for i, line in enumerate(lines) if len(line) >= 32})
+    return forms
+
+
+def find_leaks(keys: set[str], where: str, data: bytes, tls_keys: set[str] = frozenset()) -> list[str]:
+    found = [f"{name} form of the key in {where}" for k in keys for name, form in key_forms(k).items()
+             if form in data]
+    return found + [f"{name} of the TLS private key in {where}" for k in tls_keys
+                    for name, form in tls_key_forms(k).items() if form in data]
 
 
 class _Watcher(threading.Thread):
@@ -89,6 +110,7 @@ class _Watcher(threading.Thread):
         self.marker, self.halt = marker, threading.Event()
         self.cmdlines: set[str] = set()
         self.keys: set[str] = set()
+        self.tls_keys: set[str] = set()
         self.key_seen = threading.Event()
 
     def run(self) -> None:
@@ -106,6 +128,8 @@ class _Watcher(threading.Thread):
                     continue
                 if env.get(MARKER) == self.marker and env.get("HOROVOD_SECRET_KEY"):
                     self.keys.add(env["HOROVOD_SECRET_KEY"])
+                    if env.get("HOROVOD_TLS_KEY"):
+                        self.tls_keys.add(env["HOROVOD_TLS_KEY"])
                     self.key_seen.set()
             self.halt.wait(0.02)
 
@@ -181,13 +205,13 @@ def run_job(tmp: Path, argv: list[str], *, env: dict[str, str], prefix: list[str
         time.sleep(0.1)
         watcher.halt.set()
         watcher.join(5)
-    keys = watcher.keys
+    keys, tls_keys = watcher.keys, watcher.tls_keys
     output = reader.get("stdout", b"") + b"\n" + reader.get("stderr", b"")
-    leaks = find_leaks(keys, "the launcher's output", output)
+    leaks = find_leaks(keys, "the launcher's output", output, tls_keys)
     for cmdline in watcher.cmdlines:
-        leaks += find_leaks(keys, f"a command line ({cmdline[:200]!r})", cmdline.encode())
+        leaks += find_leaks(keys, f"a command line ({cmdline[:200]!r})", cmdline.encode(), tls_keys)
     if strace and trace_file.exists():
-        leaks += find_leaks(keys, "an execve of the job (strace)", trace_file.read_bytes())
+        leaks += find_leaks(keys, "an execve of the job (strace)", trace_file.read_bytes(), tls_keys)
     new = _snapshot(watched) - before
     for path in [*_files_under(str(out_dir)), *(f for p in sorted(new) for f in _files_under(p))]:
         if path == str(trace_file) or os.path.basename(path) == "worker.py":
@@ -196,21 +220,33 @@ def run_job(tmp: Path, argv: list[str], *, env: dict[str, str], prefix: list[str
             data = Path(path).read_bytes()
         except OSError:
             continue
-        leaks += find_leaks(keys, f"file {path}", data)
-    return rc, output, keys, leaks
+        leaks += find_leaks(keys, f"file {path}", data, tls_keys)
+    return rc, output, keys | {f"tls:{k}" for k in tls_keys}, leaks
 
 
 def _env(**extra: str) -> dict[str, str]:
     return clean_env(HOROVOD_LOG_LEVEL="debug", **extra)
 
 
-def test_static_job_with_errors_and_timeline(tmp_path):
+def _split(keys: set[str], tls: bool) -> set[str]:
+    """The job keys seen; with ``tls`` also exactly one TLS key (without, none)."""
+    tls_keys = {k for k in keys if k.startswith("tls:")}
+    assert len(tls_keys) == (1 if tls else 0), tls_keys
+    return keys - tls_keys
+
+
+@pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
+def test_static_job_with_errors_and_timeline(tmp_path, tls):
+    extra = {"HOROVOD_SHM_DISABLE": "1"} if tls else {}  # TLS channels between the two ranks
     rc, output, keys, leaks = run_job(
-        tmp_path, ["-np", "2", "--verbose", "--output-filename", str(tmp_path / "out" / "logs")],
-        env=_env(HOROVOD_TIMELINE=str(tmp_path / "out" / "timeline.json"), LEAK_TEST_FAIL_AT_END="1"))
+        tmp_path, ["-np", "2", "--verbose", "--output-filename", str(tmp_path / "out" / "logs"),
+                   *(["--tls"] if tls else [])],
+        env=_env(HOROVOD_TIMELINE=str(tmp_path / "out" / "timeline.json"), LEAK_TEST_FAIL_AT_END="1", **extra))
     text = output.decode(errors="replace")
     assert rc not in (None, 0), text[-4000:]
-    assert len(keys) == 1, keys
+    assert len(_split(keys, tls)) == 1, keys
+    if tls:
+        assert "TLS on TCP and the store" in text and "TCP channels in TLS" in text, text[-4000:]
     assert "Mismatched ALLREDUCE tensor shapes" in text, text[-4000:]  # the error path ran
     assert "deliberate failure of rank 1" in text, text[-4000:]
     assert "DEBUG horovod.transport.mesh: rank 1 mesh formed" in text, text[-4000:]  # debug logs were on
@@ -229,12 +265,12 @@ def test_elastic_job(tmp_path):
     script.write_text(f"#!/bin/sh\nenv > '{tmp_path}/out/discovery.env'\necho localhost:2\n")
     script.chmod(0o755)
     rc, output, keys, leaks = run_job(
-        tmp_path, ["-np", "2", "--min-np", "2", "--max-np", "2", "--verbose", "--host-discovery-script",
+        tmp_path, ["-np", "2", "--min-np", "2", "--max-np", "2", "--verbose", "--tls", "--host-discovery-script",
                    str(script)],
         env=_env(HOROVOD_TIMELINE=str(tmp_path / "out" / "timeline.json"), **ELASTIC_ENV))
     text = output.decode(errors="replace")
     assert rc == 0, text[-4000:]
-    assert len(keys) == 1, keys
+    assert len(_split(keys, tls=True)) == 1, keys
     assert "Mismatched ALLREDUCE tensor shapes" in text, text[-4000:]
     assert (tmp_path / "out" / "discovery.env").exists()
     assert not leaks, leaks
@@ -254,13 +290,13 @@ def test_job_over_ssh_on_netns_hosts(tmp_path):
     values = mh._read_env(env_file)
     ssh = ["-p", values["HVD_NETNS_SSH_PORT"], "-i", values["HVD_NETNS_KEY"]]
     rc, output, keys, leaks = run_job(
-        tmp_path, [*ssh, "-np", "2", "-H", "hvdh2:1,hvdh3:1", "--verbose"],
+        tmp_path, [*ssh, "-np", "2", "-H", "hvdh2:1,hvdh3:1", "--verbose", "--tls"],
         env=_env(HOROVOD_TIMELINE=str(tmp_path / "out" / "timeline.json")),
         prefix=["ip", "netns", "exec", "hvdh1"])
     text = output.decode(errors="replace")
     assert rc == 0, text[-4000:]
-    assert "remote over ssh" in text, text[-4000:]
-    assert len(keys) == 1, keys
+    assert "remote over ssh" in text and "TLS on TCP and the store" in text, text[-4000:]
+    assert len(_split(keys, tls=True)) == 1, keys
     assert not leaks, leaks
 
 
@@ -271,3 +307,9 @@ def test_the_search_finds_a_planted_key(tmp_path):
     for name, form in forms.items():
         assert find_leaks({key}, "x", b"prefix " + form + b" suffix") != [], name
     assert find_leaks({key}, "x", b"nothing here " + os.urandom(64).hex().encode()) == []
+    from horovod.transport.tls import make_credentials
+
+    pem = make_credentials().key_pem.decode()
+    for name, form in tls_key_forms(pem).items():
+        assert find_leaks(set(), "x", b"prefix " + form + b" suffix", {pem}) != [], name
+    assert find_leaks(set(), "x", make_credentials().key_pem, {pem}) == []  # another job's key is not this one

@@ -26,6 +26,7 @@ import threading
 import pytest
 
 pytestmark = pytest.mark.timeout(180)
+pytest.importorskip("cryptography", reason="pip install 'horovod[tls]'")
 
 JOB = textwrap.dedent("""
     import json, sys

@@ -38,6 +38,8 @@ from horovod.transport.store import InMemoryStore, StoreClient, StoreError, sign
 from horovod.transport.tcp import TcpCommunicator
 from horovod.transport.wire import Channel, TlsChannel, Transfer, exchange
 
+pytest.importorskip("cryptography", reason="pip install 'horovod[tls]'")
+
 KEY = b"tls-test" * 4
 MARKER = b"\x8bMARKER-7f3a9c\x01"
 

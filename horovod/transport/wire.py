@@ -367,13 +367,22 @@ class TlsChannel(Channel):
             return None
 
     def try_recv_into(self, view: memoryview, n: int) -> int | None:
-        try:
-            with self._lock:
-                return self.sock.recv_into(view, n)
-        except _WANT:
-            return None
-        except _TLS_EOF:
-            return 0
+        # One SSL read returns one record (16 KiB at most): take what has arrived, up to _TLS_CHUNK, in one
+        # call, so that exchange() does not go round (and retry its sends) once per record.
+        got, recv_into = 0, self.sock.recv_into
+        want = min(n, _TLS_CHUNK)
+        with self._lock:
+            while got < want:
+                try:
+                    k = recv_into(view[got:] if got else view, n - got)
+                except _WANT:
+                    break
+                except _TLS_EOF:
+                    k = 0
+                if not k:
+                    return got or 0
+                got += k
+        return got or None
 
     def pending(self) -> int:
         with self._lock:

@@ -417,6 +417,24 @@ def test_strangers_refused_at_the_tls_handshake(job, other_job, caplog):
     assert len(refusals) == 3, refusals
 
 
+@pytest.fixture
+def tls_env(monkeypatch, creds):
+    """The environment horovodrun --tls gives a worker: build_mesh() then defaults to TLS."""
+    for name, value in tls_mod.worker_env(creds).items():
+        monkeypatch.setenv(name, value)
+
+
+@pytest.mark.parametrize("attack", ["silent-and-trickling", "total-deadline", "flood"])
+def test_stranger_suite_over_tls(tls_env, attack):
+    """test_mesh_strangers.py's silent, trickling and flooding strangers against ranks that handshake TLS
+    first: the TLS handshake runs inside the same total deadline and slots, so the mesh still forms on time."""
+    import test_mesh_strangers as strangers
+
+    {"silent-and-trickling": lambda: strangers.test_silent_and_trickling_strangers_on_every_listener(True),
+     "total-deadline": strangers.test_trickler_is_dropped_at_a_total_deadline,
+     "flood": strangers.test_a_flood_of_silent_connections_is_bounded_and_the_mesh_still_forms}[attack]()
+
+
 # ---------------------------------------------------------------------------------------------- store
 @pytest.fixture
 def tls_server(job):

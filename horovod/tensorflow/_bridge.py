@@ -14,9 +14,14 @@ that another rank cannot finish yet:
   graphs (``tf.compat.v1.Session``) it lives in the session, and :mod:`horovod.tensorflow._session_bridge`
   fills it through that session.
 
-Errors: eager raises upstream's ``tf.errors`` types.  In graph mode TensorFlow turns every Python exception
-of a ``numpy_function`` into ``UnknownError`` except ``ValueError`` (``InvalidArgumentError``); the message
-keeps upstream's text (documented in docs/tensorflow.md).
+Errors: eager raises upstream's ``tf.errors`` types.  In graphs the receive is followed by a ``check`` op (a
+``numpy_function``) that raises the collective's error, and TensorFlow turns every Python exception of a
+``numpy_function`` into ``UnknownError`` except ``ValueError`` (``InvalidArgumentError``).  In TF1 sessions
+the wrapped ``Session.run`` gives the error its upstream class back (``FailedPreconditionError`` for a
+mismatch, see :mod:`horovod.tensorflow._session_bridge`); inside ``tf.function`` the class stays
+``UnknownError`` and the message carries upstream's class name and text (docs/tensorflow.md).  Every output
+depends on its ``check`` through data (a reshape to its own shape), not only a control edge: Grappler prunes
+a stateless op whose only consumers are control edges, which would drop the error and hand out empty results.
 """
 
 from __future__ import annotations
@@ -60,7 +65,14 @@ def to_tf_error(e: BaseException) -> BaseException:
     return e
 
 
+_plain = tf.autograph.experimental.do_not_convert
+"""Calls made at run time (numpy_function callbacks, the completer) run unconverted by AutoGraph even when the
+closures were created by code AutoGraph converted: converted code would convert the engine on every call."""
+
+
 def _wrap(fn: Callable):
+    fn = _plain(fn)
+
     def inner(*args):
         try:
             return fn(*args)
@@ -92,7 +104,7 @@ class _Completer:
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name="horovod-tf-completer", daemon=True)
                 self._thread.start()
-        self._work.put((finish, deliver, dtypes))
+        self._work.put((_plain(finish), _plain(deliver), dtypes))
 
     def take_error(self, err_id: int) -> BaseException:
         with self._lock:
@@ -159,10 +171,12 @@ def _queue_path() -> bool:
     return tf.compat.v1.executing_eagerly_outside_functions()
 
 
+@_plain
 def run_collective(submit: Submit, inputs: Sequence[tf.Tensor], out_dtypes: Sequence[tf.DType],
                    name: str = "Horovod") -> list[tf.Tensor]:
     """Run ``submit`` (numpy inputs → finish() → numpy outputs) as TF ops; returns the output tensors."""
     np_dtypes = [d.as_numpy_dtype for d in out_dtypes]
+    submit = _plain(submit)
     if tf.executing_eagerly():
         try:
             outs = submit([_as_numpy(t) for t in inputs])()
@@ -198,8 +212,18 @@ def _receive_in_function(submit: Submit, inputs, out_dtypes, np_dtypes, name: st
         # Not stateful: tf.function chains stateful ops in program order, and a check (which waits for its
         # dequeue) before the next submit would serialise independent collectives in creation order.
         ok = tf.numpy_function(_wrap(_check), [vals[-1]], tf.int64, stateful=False, name="check")
-        with tf.control_dependencies([ok]):
-            return [tf.identity(v) for v in vals[:-1]]
+        return _after(ok, vals[:-1])
+
+
+def _after(ok: tf.Tensor, values: Sequence[tf.Tensor]) -> list[tf.Tensor]:
+    """``values`` made data-dependent on ``ok`` (always 0) at no cost: a reshape to their own shape."""
+    zero = tf.cast(ok, tf.int32)
+    outs = []
+    for v in values:
+        out = tf.reshape(v, tf.shape(v) + zero)
+        out.set_shape(v.shape)
+        outs.append(out)
+    return outs
 
 
 def _receive_in_session(submit: Submit, inputs, out_dtypes, np_dtypes, name: str) -> list[tf.Tensor]:
@@ -215,7 +239,11 @@ def _receive_in_session(submit: Submit, inputs, out_dtypes, np_dtypes, name: str
 
     def check(err, token):
         _session_bridge.consumed(token, site.id)
-        return _check(err)
+        if err >= 0:
+            error = to_tf_error(_completer.take_error(int(err)))
+            _session_bridge.failed(token, error)  # Session.run restores its class (numpy_function loses it)
+            raise error
+        return np.int64(0)
 
     with tf.name_scope(name):
         submitted = tf.numpy_function(_wrap(do_submit), [run_token, *inputs], tf.int64, stateful=True,
@@ -223,5 +251,4 @@ def _receive_in_session(submit: Submit, inputs, out_dtypes, np_dtypes, name: str
         with tf.control_dependencies([submitted]):
             vals = site.queue.dequeue(name="receive")
         ok = tf.numpy_function(_wrap(check), [vals[-2], vals[-1]], tf.int64, stateful=True, name="check")
-        with tf.control_dependencies([ok]):
-            return [tf.identity(v) for v in vals[:-2]]
+        return _after(ok, vals[:-2])

@@ -12,6 +12,10 @@ with a ``Session.run`` of the site's enqueue op on that session.  To know which 
 run of a graph that holds collectives feeds a fresh token to a placeholder that every submit op reads, and
 the token names the session.  When a run ends early (an error in one collective, a cancelled run), results
 it never dequeued are drained so that the next run cannot read them.
+
+A collective's error reaches TensorFlow from a ``numpy_function``, which turns it into ``UnknownError``; the
+receiving op records the error it raised (:func:`failed`) and the wrapped run re-raises TensorFlow's error
+with that class (upstream's ``FailedPreconditionError`` for a mismatch) and upstream's message.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from tensorflow.python.client import session as _tf_session
 
 from horovod.common.exceptions import HorovodInternalError
 
-__all__ = ["Site", "new_site", "run_token", "deliver", "consumed", "session_of"]
+__all__ = ["Site", "new_site", "run_token", "deliver", "consumed", "failed", "session_of"]
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +74,7 @@ class _Run:
         self.delivered: collections.Counter[int] = collections.Counter()
         self.consumed: collections.Counter[int] = collections.Counter()
         self.sites: dict[int, Site] = {}
+        self.errors: list[tf.errors.OpError] = []  # raised by this run's receive ops, in order
 
 
 _runs: dict[int, _Run] = {}
@@ -145,6 +150,29 @@ def consumed(token: int, site_id: int) -> None:
             run.consumed[site_id] += 1
 
 
+def failed(token: int, error: tf.errors.OpError) -> None:
+    """Called by a site's receive op before it raises ``error`` (with the class upstream uses)."""
+    with _runs_lock:
+        run = _runs.get(int(token))
+    if run is not None:
+        with run.cond:
+            run.errors.append(error)
+
+
+def _restore_class(token: int, e: tf.errors.UnknownError) -> tf.errors.OpError | None:
+    """The error a receive op of this run raised, as TensorFlow reported it but with its own class."""
+    with _runs_lock:
+        run = _runs.get(token)
+    if run is None:
+        return None
+    with run.cond:
+        errors = list(run.errors)
+    for error in errors:
+        if type(error) is not tf.errors.UnknownError and error.message in e.message:
+            return type(error)(e.node_def, e.op, error.message)
+    return None
+
+
 @contextlib.contextmanager
 def _run_scope(session) -> Iterator[int]:
     """Register a run under a fresh token; at its end, drain the results it never dequeued."""
@@ -177,7 +205,13 @@ def _run(self, fetches, feed_dict=None, options=None, run_metadata=None):
     with _run_scope(self) as token:
         feeds = dict(feed_dict) if feed_dict else {}
         feeds[state.token] = token
-        return _original_run(self, fetches, feeds, options, run_metadata)
+        try:
+            return _original_run(self, fetches, feeds, options, run_metadata)
+        except tf.errors.UnknownError as e:
+            restored = _restore_class(token, e)
+            if restored is None:
+                raise
+            raise restored from e
 
 
 def _make_callable(self, fetches, feed_list=None, accept_options=False):
@@ -189,7 +223,13 @@ def _make_callable(self, fetches, feed_list=None, accept_options=False):
     @functools.wraps(inner)
     def call(*args, **kwargs):
         with _run_scope(self) as token:
-            return inner(*args, token, **kwargs)
+            try:
+                return inner(*args, token, **kwargs)
+            except tf.errors.UnknownError as e:
+                restored = _restore_class(token, e)
+                if restored is None:
+                    raise
+                raise restored from e
     return call
 
 

@@ -31,6 +31,11 @@ __all__ = [
 _basics = _basics_mod.HorovodBasics()
 handle_average_backwards_compatibility = _ops.handle_average_backwards_compatibility
 
+# The collectives are plain Python that builds ops: AutoGraph must not rewrite them (inside tf.function it
+# would otherwise convert this module, and through the closures handed to numpy_function the engine itself,
+# at every call at run time).
+_plain = tf.autograph.experimental.do_not_convert
+
 
 def _normalize_name(name: str) -> str:
     """Upstream's normalisation: anything outside ``[a-zA-Z0-9_]`` becomes ``_``."""
@@ -134,6 +139,7 @@ def _flat_allreduce(tensors: list[tf.Tensor], *, op: int, prescale_factor: float
     return outs
 
 
+@_plain
 def _allreduce(tensor, name: str | None = None, op: int = Sum, prescale_factor: float = 1.0,
                postscale_factor: float = 1.0, ignore_name_scope: bool = False,
                process_set: ProcessSet = global_process_set) -> tf.Tensor:
@@ -155,6 +161,7 @@ def _allreduce(tensor, name: str | None = None, op: int = Sum, prescale_factor: 
     return fwd(tensor)
 
 
+@_plain
 def allreduce(tensor, average: bool | None = None, device_dense: str = "", device_sparse: str = "",
               compression=None, op: int | None = None, prescale_factor: float = 1.0,
               postscale_factor: float = 1.0, name: str | None = None,
@@ -196,6 +203,7 @@ def allreduce(tensor, average: bool | None = None, device_dense: str = "", devic
     return compression.decompress(reduced, ctx)
 
 
+@_plain
 def grouped_allreduce(tensors, average: bool | None = None, device_dense: str = "", device_sparse: str = "",
                       compression=None, op: int | None = None, prescale_factor: float = 1.0,
                       postscale_factor: float = 1.0, process_set: ProcessSet = global_process_set,
@@ -267,6 +275,7 @@ def _allgather_grad(dy, x, process_set: ProcessSet, ignore_name_scope: bool):
     return dy[offset:offset + d[0]]
 
 
+@_plain
 def allgather(tensor, name: str | None = None, ignore_name_scope: bool = False,
               process_set: ProcessSet = global_process_set) -> tf.Tensor:
     """Concatenate every member's ``tensor`` along dimension 0 (sizes may differ per rank)."""
@@ -284,6 +293,7 @@ def allgather(tensor, name: str | None = None, ignore_name_scope: bool = False,
     return fwd(tensor)
 
 
+@_plain
 def grouped_allgather(tensors, name: str | None = None, ignore_name_scope: bool = False,
                       process_set: ProcessSet = global_process_set):
     """Allgather a list of tensors as one group."""
@@ -319,6 +329,7 @@ def _broadcast_raw(tensor: tf.Tensor, root_rank: int, name: str | None, process_
     return out
 
 
+@_plain
 def broadcast(tensor, root_rank: int, name: str | None = None, ignore_name_scope: bool = False,
               process_set: ProcessSet = global_process_set) -> tf.Tensor:
     """Return ``root_rank``'s ``tensor`` on every member (``root_rank`` is a global rank)."""
@@ -337,6 +348,7 @@ def broadcast(tensor, root_rank: int, name: str | None = None, ignore_name_scope
     return fwd(tensor)
 
 
+@_plain
 def broadcast_(variables, root_rank: int, name: str | None = None,
                process_set: ProcessSet = global_process_set):
     """In-place broadcast of variables from ``root_rank``; returns the updated values."""
@@ -355,6 +367,7 @@ def broadcast_(variables, root_rank: int, name: str | None = None,
 
 
 # ---------------------------------------------------------------------------------------------- alltoall
+@_plain
 def alltoall(tensor, splits=None, name: str | None = None, ignore_name_scope: bool = False,
              process_set: ProcessSet = global_process_set):
     """Scatter slices of ``tensor`` to members; returns ``output`` or ``(output, received_splits)``."""
@@ -407,11 +420,15 @@ def _reducescatter_raw(tensors, *, op, prescale_factor, postscale_factor, name, 
     return outs
 
 
-def _reducescatter_grad(dy, op, process_set, ignore_name_scope):
-    g = allgather(dy, ignore_name_scope=ignore_name_scope, process_set=process_set)
-    if op == Average:
-        g = g / tf.cast(_set_size(process_set), g.dtype)
-    return g
+def _reducescatter_grad(dy, op, process_set, ignore_name_scope, prescale_factor=1.0, postscale_factor=1.0):
+    """Upstream's reducescatter gradient: ``allgather(dy)``, × the set size for Sum (as the allreduce
+    gradient sums every rank's identical ``dy``), × the scale factors; Average is ``allgather(dy)``."""
+    if op == Sum:
+        dy = dy * tf.cast(_set_size(process_set), dy.dtype)
+    scale = prescale_factor * postscale_factor
+    if scale != 1.0:
+        dy = dy * tf.cast(scale, dy.dtype)
+    return allgather(dy, ignore_name_scope=ignore_name_scope, process_set=process_set)
 
 
 def _check_rs_op(op):
@@ -419,6 +436,7 @@ def _check_rs_op(op):
         raise tf.errors.InvalidArgumentError(None, None, "Reducescatter currently only supports AVERAGE and SUM.")
 
 
+@_plain
 def reducescatter(tensor, device_dense: str = "", compression=None, op: int = Average, name: str | None = None,
                   process_set: ProcessSet = global_process_set, ignore_name_scope: bool = False,
                   prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> tf.Tensor:
@@ -437,12 +455,13 @@ def reducescatter(tensor, device_dense: str = "", compression=None, op: int = Av
                                  name=core, process_set=process_set, grouped=False)[0]
 
         def grad(dy):
-            return _reducescatter_grad(dy, op, process_set, ignore_name_scope)
+            return _reducescatter_grad(dy, op, process_set, ignore_name_scope, prescale_factor, postscale_factor)
         return out, grad
 
     return compression.decompress(fwd(compressed), ctx)
 
 
+@_plain
 def grouped_reducescatter(tensors, device_dense: str = "", compression=None, op: int = Average,
                           process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
                           postscale_factor: float = 1.0, name: str | None = None,
@@ -470,7 +489,8 @@ def grouped_reducescatter(tensors, device_dense: str = "", compression=None, op:
                                   grouped=True)
 
         def grad(*dys):
-            return [_reducescatter_grad(dy, op, process_set, ignore_name_scope) for dy in dys]
+            return [_reducescatter_grad(dy, op, process_set, ignore_name_scope, prescale_factor, postscale_factor)
+                    for dy in dys]
         return outs, grad
 
     outs = fwd(*[c for c, _ in pairs])
@@ -478,6 +498,7 @@ def grouped_reducescatter(tensors, device_dense: str = "", compression=None, op:
 
 
 # ---------------------------------------------------------------------------------------------- join / barrier
+@_plain
 def join() -> tf.Tensor:
     """Stop contributing until every rank joined; returns (int32 scalar) the last rank that joined."""
     def submit(_arrays):
@@ -489,6 +510,7 @@ def join() -> tf.Tensor:
     return out
 
 
+@_plain
 def barrier(process_set: ProcessSet = global_process_set):
     """Block until every member of ``process_set`` reached the barrier (an op in graph mode)."""
     def submit(_arrays):
@@ -508,23 +530,28 @@ def _int_op(fn, name: str | None) -> tf.Tensor:
     return out
 
 
+@_plain
 def size_op(process_set_id: int = 0, name: str | None = None) -> tf.Tensor:
     """Number of ranks in the process set, evaluated when the graph runs."""
     return _int_op(lambda: len(_basics_mod.engine().set_ranks(process_set_id) or []), name)
 
 
+@_plain
 def local_size_op(name: str | None = None) -> tf.Tensor:
     return _int_op(_basics_mod.local_size, name)
 
 
+@_plain
 def rank_op(name: str | None = None) -> tf.Tensor:
     return _int_op(_basics_mod.rank, name)
 
 
+@_plain
 def local_rank_op(name: str | None = None) -> tf.Tensor:
     return _int_op(_basics_mod.local_rank, name)
 
 
+@_plain
 def process_set_included_op(process_set_id: int = 0, name: str | None = None) -> tf.Tensor:
     return _int_op(lambda: int(_basics_mod.rank() in (_basics_mod.engine().set_ranks(process_set_id) or [])),
                    name)

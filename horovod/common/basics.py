@@ -67,6 +67,7 @@ def init(comm=None, process_sets: Sequence[ProcessSet] | str | None = None) -> N
             os.environ["HOROVOD_DYNAMIC_PROCESS_SETS"] = "1"
             process_sets = None
         config = read_runtime_config()
+        bootstrap.join_torchrun()  # torchrun/PyTorchJob: exports HOROVOD_RANK... (a no-op otherwise)
         elastic_mesh = bootstrap.elastic_mesh()  # elastic: the driver assigns the rank (sets HOROVOD_RANK...)
         mpi = bootstrap.mpi_job(comm) if bootstrap.use_mpi(comm) else None
         topology = bootstrap.topology_from_mpi(mpi) if mpi is not None else bootstrap.topology_from_env()

@@ -1,8 +1,10 @@
 """How a process learns its place in the job and gets connected to the others.
 
-Three ways in: the launcher's environment and rendezvous store (``horovodrun``), MPI (``mpirun``/``srun`` or
-``init(comm=...)``: layout, job key and addresses exchanged over the communicator), and the elastic driver
-(``horovod.common.elastic_init``).  ``horovod.common.basics.init`` picks one and starts the engine.
+Four ways in: the launcher's environment and rendezvous store (``horovodrun``), MPI (``mpirun``/``srun`` or
+``init(comm=...)``: layout, job key and addresses exchanged over the communicator), the elastic driver
+(``horovod.common.elastic_init``), and torchrun's variables (``horovod.common.torchrun``: rank 0 runs the
+store, the launcher's variables are exported, then the first way goes on).  ``horovod.common.basics.init``
+picks one and starts the engine.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from horovod.runtime.engine import Topology
 from horovod.transport.communicator import PeerFailure
 
 __all__ = ["topology_from_env", "topology_from_mpi", "use_mpi", "mpi_job", "elastic_mesh", "build_mesh",
-           "GenerationMismatch"]
+           "join_torchrun", "GenerationMismatch"]
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +43,16 @@ def topology_from_env() -> Topology:
                              "unset them to run a single process)")
         layout[kind.lower() + "rank"], layout[kind.lower() + "size"] = rank, size
     return Topology(**layout, hostname=read_env("HOROVOD_HOSTNAME") or socket.gethostname())
+
+
+def join_torchrun() -> None:
+    """Started by torchrun (or with its variables, e.g. a Kubeflow PyTorchJob) and not by horovodrun or MPI:
+    meet the other ranks through rank 0's store and export ``HOROVOD_RANK``... (horovod/common/torchrun.py)."""
+    from horovod.common import torchrun
+
+    launch = torchrun.detect()
+    if launch is not None:
+        torchrun.join(launch)
 
 
 def elastic_mesh():

@@ -80,14 +80,23 @@ def _check_op(op: int, rtype: int) -> None:
 
 def allreduce(tensor, output: np.ndarray | None = None, *, name: str | None = None, op: int = 0,
               prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-              process_set: ProcessSet = global_process_set) -> Handle:
-    """Enqueue an allreduce; ``output`` (may be ``tensor`` itself) receives the result in place."""
-    _check_op(op, RequestType.ALLREDUCE)
-    ps_id, _ = _set_id(process_set, RequestType.ALLREDUCE)
-    arr = _array(tensor)
-    req = Request(RequestType.ALLREDUCE, ps_id, name or auto_name("allreduce", ps_id), dtype_code(arr.dtype), arr.shape,
-                  -1, op, float(prescale_factor), float(postscale_factor))
-    return _enqueue([(req, arr, output)])[0]
+              process_set: ProcessSet = global_process_set, wake: bool = True) -> Handle:
+    """Enqueue an allreduce; ``output`` (may be ``tensor`` itself) receives the result in place.
+
+    ``wake=False`` when the caller calls ``wait()`` right away: the waiting thread runs the engine's round
+    itself, so waking the engine thread would only cost a thread hand-over."""
+    if op not in _PLAIN_OPS:
+        _check_op(op, RequestType.ALLREDUCE)
+    if process_set is global_process_set:  # always registered, every rank a member: no lookup
+        engine = basics.engine()
+        ps_id = 0
+    else:
+        ps_id, _ = _set_id(process_set, RequestType.ALLREDUCE)
+        engine = basics.engine()
+    arr = tensor if type(tensor) is np.ndarray else np.asarray(tensor)
+    req = Request(RequestType.ALLREDUCE, ps_id, name or auto_name("allreduce", ps_id), dtype_code(arr.dtype),
+                  arr.shape, -1, op, float(prescale_factor), float(postscale_factor))
+    return engine.enqueue_one(req, arr, output, wake)
 
 
 def grouped_allreduce(tensors: Sequence, outputs: Sequence | None = None, *, name: str | None = None,

@@ -104,24 +104,28 @@ def allreduce(tensor: np.ndarray, average: bool | None = None, name: str | None 
               process_set: ProcessSet = global_process_set) -> np.ndarray:
     """Reduce ``tensor`` across the process set (default: average) and return a new array."""
     return _ops.allreduce(tensor, name=name, op=_resolve_op(op, average), prescale_factor=prescale_factor,
-                          postscale_factor=postscale_factor, process_set=process_set).wait()
+                          postscale_factor=postscale_factor, process_set=process_set, wake=False).wait()
 
 
 def allreduce_async_(tensor: np.ndarray, average: bool | None = None, name: str | None = None,
                      op: int | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                      process_set: ProcessSet = global_process_set) -> int:
     _require_writable(tensor)
-    return _handles.add(_ops.allreduce(tensor, tensor, name=name, op=_resolve_op(op, average),
-                                       prescale_factor=prescale_factor, postscale_factor=postscale_factor,
-                                       process_set=process_set))
+    if average is None:  # the common case, without the deprecation shim's call
+        op = Average if op is None else op
+    else:
+        op = _resolve_op(op, average)
+    return _handles.add(_ops.allreduce(tensor, tensor, name=name, op=op, prescale_factor=prescale_factor,
+                                       postscale_factor=postscale_factor, process_set=process_set))
 
 
 def allreduce_(tensor: np.ndarray, average: bool | None = None, name: str | None = None, op: int | None = None,
                prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                process_set: ProcessSet = global_process_set) -> np.ndarray:
     """In-place allreduce: the result is written into ``tensor``, which is returned."""
-    return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor,
-                                        process_set))
+    _require_writable(tensor)
+    return _ops.allreduce(tensor, tensor, name=name, op=_resolve_op(op, average), prescale_factor=prescale_factor,
+                          postscale_factor=postscale_factor, process_set=process_set, wake=False).wait()
 
 
 def _require_writable(tensor: np.ndarray) -> None:

@@ -7,9 +7,15 @@ cannot deadlock, while ranks of disjoint sets never wait for each other.
 
 Response cache: a single-tensor response gets a cache id that every member records.  Next time a rank
 submits the same name with the same parameters it sends only ``(set, cache id)``; when every member hit,
-the cached response is reused without decoding or validation (upstream's all-ranks-hit fast path).  Ids are
-never reused; an evicted entry stays in a graveyard until every member has acknowledged the eviction notice,
-so a hit racing an eviction still resolves.
+the cached response is reused without decoding or validation (upstream's all-ranks-hit fast path), and a
+response made only of such entries travels to the workers as its cache ids (``Response.cached_ids``): a
+step that repeats the last one costs each rank one small frame each way.  Ids are never reused; an evicted
+entry stays in a graveyard until every member has acknowledged the eviction notice, so a hit racing an
+eviction still resolves.
+
+Small allreduces whose bytes every contributor sent with its request are reduced here, a fused group at a
+time, and the result travels back with the response (one round trip instead of negotiation plus a data
+exchange).
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ import numpy as np
 from horovod.runtime.messages import DTYPES, Request, RequestType, Response
 from horovod.runtime.scaling import scale_inplace, scaled_copy
 from horovod.runtime.validation import build_response
-from horovod.transport.communicator import ReduceOp, apply_reduce
+from horovod.transport.communicator import ReduceOp, apply_reduce, reduce_into
 
 __all__ = ["Coordinator", "collective_failure"]
 
@@ -49,19 +55,40 @@ EVICTION_WARNING = (
 )
 
 
-@dataclass
 class _Pending:
-    requests: dict[int, Request] = field(default_factory=dict)
-    data: dict[int, np.ndarray] = field(default_factory=dict)  # inline tensors of small allreduces
-    first_seen: float = 0.0
-    cache_id: int = -1  # the id every hit so far referred to (-1: some rank sent a full request)
+    """One tensor name some members of a set have submitted."""
+
+    __slots__ = ("requests", "data", "first_seen", "cache_id")
+
+    def __init__(self, first_seen: float, cache_id: int) -> None:
+        self.requests: dict[int, Request] = {}
+        self.data: dict[int, object] = {}  # inline bytes of small allreduces, per rank
+        self.first_seen = first_seen
+        self.cache_id = cache_id  # the id every hit so far referred to (-1: some rank sent a full request)
 
 
-@dataclass
 class _CacheEntry:
-    name: str
-    response: Response
-    requests: dict[int, Request]
+    __slots__ = ("name", "response", "requests", "key", "key_inline", "nbytes", "shape", "fusable")
+
+    def __init__(self, name: str, response: Response, requests: dict[int, Request]) -> None:
+        self.name = name
+        self.response = response
+        self.requests = requests
+        self.key = _fusion_key(response)
+        self.key_inline = (*self.key, True)
+        self.nbytes = response.nbytes()
+        self.shape = response.shapes[0] if response.shapes else ()
+        self.fusable = response.type in _FUSABLE
+
+
+# A tensor (or an unfusable response) ready to run, as a tuple ``(response, entry, cid, data)``: the response,
+# or the cache entry every member hit (``cid`` >= 0); ``data`` holds the inline bytes per rank when every
+# contributor sent them.
+_Ready = tuple
+
+
+def _fusion_key(resp: Response) -> tuple:
+    return (resp.type, resp.process_set_id, resp.dtype, resp.reduce_op, resp.prescale, resp.postscale)
 
 
 @dataclass
@@ -103,7 +130,7 @@ class Coordinator:
         self._failures: list[tuple[int, int | None, str]] = []
         self._failures_since = 0.0
         self._next_cache_id = 0
-        self._ready: list[Response] = []
+        self._ready: list[_Ready] = []
         self._evictions: dict[int, list[tuple[int, int]]] = collections.defaultdict(list)
         self._sent_seq = [0] * size  # frames sent to each rank
         self._acked = [0] * size
@@ -114,10 +141,11 @@ class Coordinator:
 
     # ------------------------------------------------------------------ input
     def submit(self, rank: int, ack: int, shutdown: str | None, requests: list[Request],
-               cached: list[tuple[int, int, int, int]], blobs: list | None = None) -> None:
-        """Record one rank's batch (``cached`` = (set id, cache id, group id, blob index) hits; ``blobs`` the
-        bytes or arrays of inline tensors)."""
-        self._acked[rank] = max(self._acked[rank], ack)
+               cached: list[tuple[int, int, int]], blobs: list | None = None) -> None:
+        """Record one rank's batch (``cached`` = (set id, cache id, blob index) hits; ``blobs`` the bytes or
+        arrays of inline tensors)."""
+        if ack > self._acked[rank]:
+            self._acked[rank] = ack
         if shutdown is not None:
             self.report(rank, shutdown)
         now = time.monotonic()
@@ -128,49 +156,82 @@ class Coordinator:
                 continue
             state = self.sets.get(req.process_set_id)
             if state is None:  # removed meanwhile: answer with an error for this rank only
-                self._ready.append(Response(RequestType.ERROR, req.process_set_id, [req.name],
-                                            error="Process set provided does not exist, or has not been "
-                                                  "registered.", payload=[rank]))
+                self._ready.append((Response(
+                    RequestType.ERROR, req.process_set_id, [req.name],
+                    error="Process set provided does not exist, or has not been registered.", payload=[rank]),
+                    None, -1, None))
                 continue
             cid = state.cache_by_name.get(req.name)
             if cid is not None:
                 self._evict(state, cid)  # a full request for a cached name means its parameters changed
             self._add(state, req.name, rank, req, -1, now, blobs[req.inline] if req.inline >= 0 else None)
-        for ps_id, cid, _group, blob in cached:
-            state = self.sets.get(ps_id)
-            entry = None if state is None else state.cache.get(cid)
+        state = None
+        last_ps = None
+        slow = self.timeline is not None or bool(self.joined)
+        ready = self._ready
+        for ps_id, cid, blob in cached:
+            if ps_id != last_ps:
+                state = self.sets.get(ps_id)
+                last_ps = ps_id
+                if state is not None:
+                    cache, pending_map, members = state.cache, state.pending, len(state.ranks)
+            entry = None if state is None else cache.get(cid)
             if entry is not None:
-                state.cache.move_to_end(cid)
+                cache.move_to_end(cid)
             elif state is not None and cid in state.graveyard:
                 entry = state.graveyard[cid][0]
             if entry is None:
                 log.error("rank %d referred to unknown cache entry %d of process set %d", rank, cid, ps_id)
                 self.shutdown_reason = f"protocol error: rank {rank} sent an unknown cache id"
                 continue
-            data = blobs[blob] if blob >= 0 else None
-            if data is not None and memoryview(data).nbytes != entry.requests[rank].nbytes():
-                log.error("rank %d sent %d inline bytes for cached tensor %s", rank, memoryview(data).nbytes,
-                          entry.name)
-                self.shutdown_reason = f"protocol error: rank {rank} sent a tensor of the wrong size"
+            data = None
+            if blob >= 0:
+                data = blobs[blob]
+                if memoryview(data).nbytes != entry.nbytes:
+                    log.error("rank %d sent %d inline bytes for cached tensor %s", rank,
+                              memoryview(data).nbytes, entry.name)
+                    self.shutdown_reason = f"protocol error: rank {rank} sent a tensor of the wrong size"
+                    continue
+            if slow:
+                self._add(state, entry.name, rank, entry.requests[rank], cid, now, data)
                 continue
-            self._add(state, entry.name, rank, entry.requests[rank], cid, now, data)
+            # The hot path of a repeated step, inlined: record the hit; all members hit -> ready.
+            name = entry.name
+            pending = pending_map.get(name)
+            if pending is None:
+                pending = pending_map[name] = _Pending(now, cid)
+            elif pending.cache_id != cid:
+                pending.cache_id = -1
+            requests = pending.requests
+            requests[rank] = entry.requests[rank]
+            if data is not None:
+                pending.data[rank] = data
+            if len(requests) >= members:
+                if pending.cache_id == cid and cid in cache:
+                    del pending_map[name]
+                    pdata = pending.data
+                    ready.append((None, entry, cid, pdata if pdata and len(pdata) == members else None))
+                else:
+                    self._check_ready(state, name, pending)
         if self._graveyard_pending():
             self._collect_graveyard()
 
     def _add(self, state: _SetState, name: str, rank: int, req: Request, cid: int, now: float, data) -> None:
         pending = state.pending.get(name)
+        timeline = self.timeline
         if pending is None:
-            pending = state.pending[name] = _Pending(first_seen=now, cache_id=cid)
-            if self.timeline is not None:
-                self.timeline.negotiate_start(name, req.type)
+            pending = state.pending[name] = _Pending(now, cid)
+            if timeline is not None:
+                timeline.negotiate_start(name, req.type)
         elif pending.cache_id != cid:
             pending.cache_id = -1
         pending.requests[rank] = req
         if data is not None:
             pending.data[rank] = data
-        if self.timeline is not None:
-            self.timeline.negotiate_rank_ready(name, rank, req.type)
-        self._check_ready(state, name, pending)
+        if timeline is not None:
+            timeline.negotiate_rank_ready(name, rank, req.type)
+        if len(pending.requests) >= len(state.ranks) or self.joined:
+            self._check_ready(state, name, pending)
 
     def _check_ready(self, state: _SetState, name: str, pending: _Pending) -> None:
         submitted = len(pending.requests)
@@ -181,15 +242,13 @@ class Coordinator:
         del state.pending[name]
         if self.timeline is not None:
             self.timeline.negotiate_end(name)
-        if pending.cache_id >= 0 and not self.joined and pending.cache_id in state.cache:
-            entry = state.cache[pending.cache_id]
-            cached = entry.response
-            self._ready.append(Response(cached.type, cached.process_set_id, cached.names, cached.dtype,
-                                        cached.shapes, cached.root_rank, cached.reduce_op, cached.prescale,
-                                        cached.postscale, cached.rank_dims, cached.splits,
-                                        cache_ids=[-2]))  # -2: "already cached" (no re-insert)
-            self._reduce_inline(self._ready[-1], state, pending)
-            return
+        data = pending.data if pending.data and len(pending.data) == len(pending.requests) else None
+        cid = pending.cache_id
+        if cid >= 0 and not self.joined:
+            entry = state.cache.get(cid)
+            if entry is not None:
+                self._ready.append((None, entry, cid, data))
+                return
         response = build_response(list(pending.requests.values()), state.ranks,
                                   self.joined if state.id == 0 else set())
         if response.type == RequestType.ADD_PROCESS_SET:
@@ -199,34 +258,49 @@ class Coordinator:
         elif response.type in _CACHEABLE and self.cache_capacity > 0 and ".noname." not in name and \
                 len(pending.requests) == len(state.ranks):  # unnamed tensors never repeat a name
             response.cache_ids = [self._insert_cache(state, name, response, pending.requests)]
-        self._reduce_inline(response, state, pending)
-        self._ready.append(response)
+        self._ready.append((response, None, -1, data if response.type == RequestType.ALLREDUCE else None))
 
-    @staticmethod
-    def _reduce_inline(response: Response, state: _SetState, pending: _Pending) -> None:
-        """Reduce a small allreduce here when every contributor sent its bytes with the request: the result
-        travels back with the response, saving the data-plane round trip (dominant for small tensors)."""
-        if response.type != RequestType.ALLREDUCE or len(pending.data) != len(pending.requests):
-            return
+    def _reduce_inline(self, response: Response, items: list[_Ready]) -> None:
+        """Reduce a group of small allreduces here, every contributor having sent its bytes with its request:
+        the result (one flat array, tensors in order) travels back with the response, saving the data-plane
+        round trip (dominant for small tensors)."""
+        state = self.sets.get(response.process_set_id)
+        ranks = state.ranks if state is not None else sorted(items[0][3])
         dtype = DTYPES[response.dtype]
-        count = 1
-        for d in response.shapes[0]:
-            count *= d
+        counts = []
+        for shape in response.shapes:
+            n = 1
+            for d in shape:
+                n *= d
+            counts.append(n)
+        total = sum(counts)
         op = ReduceOp.SUM if response.reduce_op == 0 else ReduceOp(response.reduce_op)
-        acc = None
-        for r in state.ranks:
-            d = pending.data.get(r)
-            x = np.zeros(count, dtype) if d is None else np.frombuffer(d, dtype, count)
-            if acc is None:
-                acc = np.empty(count, dtype)
-                scaled_copy(x, response.prescale, acc)
-            else:
-                if response.prescale != 1.0:
-                    scaled = np.empty(count, dtype)
-                    scaled_copy(x, response.prescale, scaled)
-                    x = scaled
-                apply_reduce(op, acc, x)
-        post = response.postscale / len(state.ranks) if response.reduce_op == 0 else response.postscale
+
+        def contribution(rank: int) -> np.ndarray:
+            if len(items) == 1:
+                d = items[0][3].get(rank)
+                return np.zeros(total, dtype) if d is None else np.frombuffer(d, dtype, total)
+            parts = []
+            for item, n in zip(items, counts):
+                d = item[3].get(rank)
+                parts.append(np.zeros(n, dtype) if d is None else np.frombuffer(d, dtype, n))
+            return np.concatenate(parts)
+
+        acc = np.empty(total, dtype)
+        if response.prescale == 1.0 and len(ranks) > 1:  # the common case: one ufunc call, no copy
+            reduce_into(op, contribution(ranks[0]), contribution(ranks[1]), acc)
+            rest = ranks[2:]
+        else:
+            scaled_copy(contribution(ranks[0]), response.prescale, acc)
+            rest = ranks[1:]
+        scratch = np.empty(total, dtype) if response.prescale != 1.0 else None
+        for r in rest:
+            x = contribution(r)
+            if scratch is not None:
+                scaled_copy(x, response.prescale, scratch)
+                x = scratch
+            apply_reduce(op, acc, x)
+        post = response.postscale / len(ranks) if response.reduce_op == 0 else response.postscale
         scale_inplace(acc, post)
         response.data = acc
 
@@ -275,8 +349,8 @@ class Coordinator:
         for name, pending in list(state.pending.items()):
             self._check_ready(state, name, pending)
         if len(self.joined) == self.size:
-            self._ready.append(Response(RequestType.JOIN, 0, ["join.noname"],
-                                        last_joined_rank=self.last_joined))
+            self._ready.append((Response(RequestType.JOIN, 0, ["join.noname"],
+                                         last_joined_rank=self.last_joined), None, -1, None))
             self.joined.clear()
 
     def _add_process_set(self, response: Response) -> Response:
@@ -305,6 +379,8 @@ class Coordinator:
     # ------------------------------------------------------------------ output
     def take_responses(self) -> dict[int, tuple[list[Response], list[tuple[int, int]]]]:
         """Fuse what became ready and return, per rank with something to do, its responses and evictions."""
+        if not self._ready and not self._evictions:
+            return {}
         ready, self._ready = self._ready, []
         fused = self._fuse(ready)
         out: dict[int, tuple[list[Response], list[tuple[int, int]]]] = {}
@@ -327,30 +403,69 @@ class Coordinator:
             self._sent_seq[r] += 1
         return out
 
-    def _fuse(self, ready: list[Response]) -> list[Response]:
-        if self.fusion_threshold <= 0 or len(ready) < 2:
-            return ready
-        result: list[Response] = []
-        open_groups: dict[tuple, Response] = {}
-        group_bytes: dict[tuple, int] = {}
-        for resp in ready:
-            if resp.type not in _FUSABLE or resp.data is not None:
-                result.append(resp)
-                continue
-            key = (resp.type, resp.process_set_id, resp.dtype, resp.reduce_op, resp.prescale, resp.postscale)
-            nbytes = resp.nbytes()
+    def _fuse(self, ready: list[_Ready]) -> list[Response]:
+        """Turn the ready items into responses, in order: allreduces of one kind (set, dtype, op, factors,
+        and whether the coordinator reduces them) are fused up to the threshold; a group made only of
+        cache hits keeps its ids so that it travels compactly."""
+        order: list = []  # responses, and groups: [bytes, items, prototype response, only cache hits]
+        open_groups: dict[tuple, list] = {}
+        threshold = self.fusion_threshold
+        for item in ready:
+            response, entry, cid, data = item
+            if entry is not None:
+                if not entry.fusable:  # a cached broadcast, allgather...: alone, still compact
+                    r = entry.response
+                    order.append(Response(r.type, r.process_set_id, r.names, r.dtype, r.shapes, r.root_rank,
+                                          r.reduce_op, r.prescale, r.postscale, r.rank_dims, r.splits,
+                                          cache_ids=[-2], cached_ids=[cid]))
+                    continue
+                key = entry.key if data is None else entry.key_inline
+                nbytes = entry.nbytes
+                response = entry.response
+            else:
+                if response.type not in _FUSABLE:
+                    order.append(response)
+                    continue
+                key = _fusion_key(response) if data is None else (*_fusion_key(response), True)
+                nbytes = response.nbytes()
             group = open_groups.get(key)
-            if group is not None and group_bytes[key] + nbytes <= self.fusion_threshold:
-                group_bytes[key] += nbytes
-                group.names.extend(resp.names)
-                group.shapes.extend(resp.shapes)
-                group.cache_ids.extend(resp.cache_ids or [-1])
+            if group is not None and group[0] + nbytes <= threshold:
+                group[0] += nbytes
+                group[1].append(item)
+                if entry is None:
+                    group[3] = False
+            else:
+                group = [nbytes, [item], response, entry is not None]
+                if threshold > 0:
+                    open_groups[key] = group
+                order.append(group)
+        result: list[Response] = []
+        for group in order:
+            if type(group) is not list:
+                result.append(group)
                 continue
-            fused = Response(resp.type, resp.process_set_id, list(resp.names), resp.dtype, list(resp.shapes),
-                             resp.root_rank, resp.reduce_op, resp.prescale, resp.postscale,
-                             cache_ids=list(resp.cache_ids or [-1]))
-            open_groups[key] = fused
-            group_bytes[key] = nbytes
+            _, items, proto, only_hits = group
+            if only_hits:
+                names = [item[1].name for item in items]
+                shapes = [item[1].shape for item in items]
+                cache_ids = [-2] * len(items)  # already cached everywhere
+                cached_ids = [item[2] for item in items]
+            else:
+                names, shapes, cache_ids, cached_ids = [], [], [], []
+                for response, entry, _, _ in items:
+                    if entry is not None:
+                        names.append(entry.name)
+                        shapes.append(entry.shape)
+                        cache_ids.append(-2)
+                    else:
+                        names.extend(response.names)
+                        shapes.extend(response.shapes)
+                        cache_ids.extend(response.cache_ids or [-1])
+            fused = Response(proto.type, proto.process_set_id, names, proto.dtype, shapes, proto.root_rank,
+                             proto.reduce_op, proto.prescale, proto.postscale, cache_ids=cache_ids,
+                             cached_ids=cached_ids)
+            if items[0][3] is not None:
+                self._reduce_inline(fused, items)
             result.append(fused)
         return result
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -54,9 +55,18 @@ class Handle:
         return self._done
 
     def wait(self, timeout: float | None = None) -> Any:
+        limit = timeout
         if not self._done:
-            if self._queue is not None:
-                self._queue.caller_blocking()
+            queue = self._queue
+            if queue is not None:
+                queue.caller_blocking()
+                drive = queue.driver
+                if drive is not None:  # run the engine's rounds here while it is free (engine.py)
+                    deadline = None if timeout is None else time.monotonic() + timeout
+                    drive(self, deadline)
+                    if deadline is not None:
+                        timeout = max(0.0, deadline - time.monotonic())
+        if not self._done:
             completion = self._completion
             with completion.cond:
                 completion.waiters += 1
@@ -65,7 +75,7 @@ class Handle:
                 finally:
                     completion.waiters -= 1
             if not finished:
-                raise TimeoutError(f"collective {self.name!r} did not complete within {timeout} s")
+                raise TimeoutError(f"collective {self.name!r} did not complete within {limit} s")
         if self._error is not None:
             raise self._error
         return self._result
@@ -84,17 +94,27 @@ class Handle:
             self._completion.notify()
 
 
-class TensorEntry:
-    """One tensor of a pending collective: request, buffers, handle."""
+class TensorEntry(Handle):
+    """One tensor of a pending collective: request and buffers.  It is its own handle (one object per
+    tensor on the enqueue path, not two); ``handle`` is kept for readability at the call sites."""
 
-    __slots__ = ("request", "tensor", "output", "handle")
+    __slots__ = ("request", "tensor", "output")
 
     def __init__(self, request: Request, tensor: np.ndarray | None, output: np.ndarray | None,
                  queue: TensorQueue | None = None) -> None:
+        self._done = False
+        self._result = None
+        self._error = None
+        self.name = request.name
+        self._queue = queue
+        self._completion = queue.completion if queue is not None else _DEFAULT_COMPLETION
         self.request = request
         self.tensor = tensor
         self.output = output
-        self.handle = Handle(request.name, queue)
+
+    @property
+    def handle(self) -> Handle:
+        return self
 
 
 class TensorQueue:
@@ -103,6 +123,8 @@ class TensorQueue:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.completion = _Completion()
+        # Set by the engine: ``driver(handle, deadline)`` runs its rounds in a waiting caller's thread.
+        self.driver = None
         self._caller_blocked = threading.Condition(self._lock)
         self._go = False
         self._new: list[TensorEntry] = []
@@ -113,13 +135,35 @@ class TensorQueue:
         # reused the number since (e.g. a socket of the next init() generation).
         self._fd_lock = threading.Lock()
         self._signalled = False
+        self._byte = False
 
     @property
     def wake_fd(self) -> int:
         return self._wake_r
 
+    def push_one(self, entry: TensorEntry, wake: bool = True) -> str | None:
+        """:meth:`push` of a single entry (the common case, without the batch bookkeeping).
+
+        ``wake=False``: the caller waits for the result right away and runs the engine's round itself, so
+        the engine thread is not woken (a wake-up it does not need costs the caller a GIL hand-over);
+        :meth:`Handle.wait` wakes it when the caller cannot run the round."""
+        key = (entry.request.process_set_id, entry.name)
+        with self._lock:
+            if key in self._in_flight:
+                return entry.name
+            self._in_flight[key] = entry
+            self._new.append(entry)
+            signal = wake and not self._signalled
+            if signal:
+                self._signalled = True
+        if signal:
+            self._poke()
+        return None
+
     def push(self, entries: list[TensorEntry]) -> str | None:
         """Add entries atomically; returns the first duplicate name instead of adding anything."""
+        if len(entries) == 1:
+            return self.push_one(entries[0])
         with self._lock:
             for e in entries:
                 if (e.request.process_set_id, e.request.name) in self._in_flight:
@@ -144,9 +188,12 @@ class TensorQueue:
                 os.write(self._wake_w, b"\0")
             except OSError:
                 pass
+        self._byte = True  # after the write: drain() reads the pipe only when a byte may be there
 
     def caller_blocking(self) -> None:
         """A framework thread is about to wait for a result: end the engine's gather window now."""
+        if self._go:  # already said (and no window consumed it yet): nothing to wake
+            return
         with self._lock:
             self._go = True
             self._caller_blocked.notify()
@@ -165,12 +212,31 @@ class TensorQueue:
             self._signalled = True
         self._poke()
 
+    def ensure_awake(self) -> None:
+        """Wake the engine thread if entries wait that it was not told about (see ``push_one(wake=False)``)."""
+        if not self._new or self._signalled:
+            return
+        with self._lock:
+            signal = bool(self._new) and not self._signalled
+            if signal:
+                self._signalled = True
+        if signal:
+            self._poke()
+
+    def mark_woken(self) -> None:
+        """The wake pipe was seen readable: the next :meth:`drain` empties it."""
+        self._byte = True
+
     def drain(self) -> list[TensorEntry]:
-        """Entries added since the last call (engine thread)."""
-        try:  # drain the pipe *before* taking the list, so a concurrent push always leaves a byte behind
-            os.read(self._wake_r, 65536)  # at most one byte per drain is ever pending
-        except BlockingIOError:
-            pass
+        """Entries added since the last call (whoever runs the engine's round)."""
+        if self._byte:  # drain the pipe *before* taking the list, so a concurrent push leaves a byte behind
+            self._byte = False
+            try:
+                os.read(self._wake_r, 65536)
+            except (BlockingIOError, OSError):
+                pass
+        if not self._new and not self._signalled:  # nothing queued: no lock (the common round)
+            return []
         with self._lock:
             new, self._new = self._new, []
             self._signalled = False
@@ -179,6 +245,12 @@ class TensorQueue:
     def pop(self, process_set_id: int, name: str) -> TensorEntry | None:
         with self._lock:
             return self._in_flight.pop((process_set_id, name), None)
+
+    def pop_many(self, process_set_id: int, names: list[str]) -> list[TensorEntry | None]:
+        """The entries of ``names`` (None where this rank has none, e.g. it joined), under one lock."""
+        with self._lock:
+            pop = self._in_flight.pop
+            return [pop((process_set_id, name), None) for name in names]
 
     def pop_all(self) -> list[TensorEntry]:
         with self._lock:

@@ -46,8 +46,8 @@ def submit_all(c, requests_by_rank, ack=0):
 
 
 def hit(ps, cid):
-    """One cache-hit entry of a worker's batch: (set id, cache id, group id, inline blob index)."""
-    return (ps, cid, -1, -1)
+    """One cache-hit entry of a worker's batch: (set id, cache id, inline blob index)."""
+    return (ps, cid, -1)
 
 
 def hits(c, ranks, ps, cid, ack=0):
@@ -524,3 +524,107 @@ def test_inline_integer_average_truncates_and_joined_ranks_count():
     [resp] = [r for r in responses(c.take_responses(), 0) if r.type == RequestType.ALLREDUCE]
     # (sum of the two contributions) / 3 (the full size), truncated toward zero
     np.testing.assert_array_equal(np.asarray(resp.data).reshape(-1), [-2, 2, 1])
+
+
+# ------------------------------------------------------------------------------------------------ compact
+def test_all_hit_groups_travel_as_their_cache_ids():
+    c = make(size=2)
+    reqs = [ar(n, shape=(i + 1,)) for i, n in enumerate("abc")]
+    submit_all(c, {0: reqs, 1: reqs})
+    [first] = responses(c.take_responses(), 0)
+    assert first.cached_ids == []  # new entries: every member needs names and shapes
+    cids = first.cache_ids
+    assert len(cids) == 3 and min(cids) >= 0
+    for r in (1, 0):
+        c.submit(r, 1, None, [], [(0, cid, -1) for cid in cids])
+    out = c.take_responses()
+    for r in (0, 1):
+        [again] = responses(out, r)
+        assert again.cached_ids == cids
+        assert again.names == ["a", "b", "c"] and again.shapes == [(1,), (2,), (3,)]
+        assert again.cache_ids == [-2, -2, -2]
+
+
+def test_a_group_with_a_new_request_travels_in_full():
+    c = make(size=2)
+    submit_all(c, {0: ar("a"), 1: ar("a")})
+    [cid] = responses(c.take_responses(), 0)[0].cache_ids
+    for r in (0, 1):
+        c.submit(r, 1, None, [ar("new")], [(0, cid, -1)])
+    [fused] = responses(c.take_responses(), 0)
+    assert sorted(fused.names) == ["a", "new"]
+    assert fused.cached_ids == []
+    assert sorted(fused.cache_ids)[0] == -2 and sorted(fused.cache_ids)[1] >= 0
+
+
+def test_a_hit_waiting_for_a_rank_that_changed_parameters_is_rebuilt():
+    c = make(size=2)
+    submit_all(c, {0: ar("a"), 1: ar("a")})
+    [cid] = responses(c.take_responses(), 0)[0].cache_ids
+    c.submit(0, 1, None, [], [(0, cid, -1)])
+    c.submit(1, 1, None, [ar("a", shape=(9,))], [])  # rank 1 changed the shape: a mismatch, not a hit
+    [resp] = responses(c.take_responses(), 0)
+    assert resp.type == RequestType.ERROR and "Mismatched ALLREDUCE tensor shapes" in resp.error
+    assert resp.cached_ids == []
+
+
+def _inline_batch(c, rank, arrays, ids=None, op=1, pre=1.0, post=1.0):
+    """Rank ``rank`` submits ``arrays`` with their bytes (as full requests, or as hits on ``ids``)."""
+    blobs = [a.reshape(-1) for a in arrays]
+    if ids is None:
+        reqs = []
+        for i, a in enumerate(arrays):
+            req = Request(RequestType.ALLREDUCE, 0, f"t{i}", dtype_code(a.dtype), a.shape, -1, op, pre, post)
+            req.inline = i
+            reqs.append(req)
+        c.submit(rank, 0, None, reqs, [], blobs)
+    else:
+        c.submit(rank, 1, None, [], [(0, cid, i) for i, cid in enumerate(ids)], blobs)
+
+
+def test_inline_group_is_reduced_at_once_in_member_order():
+    rng = np.random.default_rng(5)
+    shapes = [(3,), (2, 2), (), (5,)]
+    data = {r: [rng.standard_normal(s).astype(np.float32) for s in shapes] for r in range(3)}
+    c = make(size=3)
+    for r in (2, 0, 1):
+        _inline_batch(c, r, data[r], pre=0.5, post=3.0)
+    [resp] = responses(c.take_responses(), 1)
+    assert resp.names == ["t0", "t1", "t2", "t3"] and resp.shapes == shapes
+    expected = np.concatenate([((data[0][i] * np.float32(0.5) + data[1][i] * np.float32(0.5))
+                                + data[2][i] * np.float32(0.5)) * np.float32(3.0) for i in range(4)], axis=None)
+    np.testing.assert_array_equal(np.asarray(resp.data).reshape(-1), expected)
+    ids = resp.cache_ids
+    # the next step: cache hits with their bytes -> one compact response carrying the result
+    data2 = {r: [a + 1 for a in data[r]] for r in range(3)}
+    for r in (1, 2, 0):
+        _inline_batch(c, r, data2[r], ids=ids)
+    [again] = responses(c.take_responses(), 2)
+    assert again.cached_ids == ids
+    expected = np.concatenate([((data2[0][i] * np.float32(0.5) + data2[1][i] * np.float32(0.5))
+                                + data2[2][i] * np.float32(0.5)) * np.float32(3.0) for i in range(4)], axis=None)
+    np.testing.assert_array_equal(np.asarray(again.data).reshape(-1), expected)
+
+
+def test_inline_and_data_plane_tensors_never_share_a_response():
+    c = make(size=2)
+    x = np.arange(4, dtype=np.float32)
+    for r in (0, 1):
+        inline = Request(RequestType.ALLREDUCE, 0, "small", F32, (4,))
+        inline.inline = 0
+        c.submit(r, 0, None, [inline, ar("plane")] if r == 0 else [ar("plane"), inline], [], [x])
+    out = responses(c.take_responses(), 0)
+    assert sorted((tuple(r.names), r.data is not None) for r in out) == [(("plane",), False), (("small",), True)]
+    [small] = [r for r in out if r.names == ["small"]]
+    np.testing.assert_array_equal(np.asarray(small.data), x * 2)
+
+
+def test_inline_only_when_every_contributor_sent_its_bytes():
+    c = make(size=2)
+    x = np.ones(4, np.float32)
+    req = Request(RequestType.ALLREDUCE, 0, "half", F32, (4,))
+    req.inline = 0
+    c.submit(0, 0, None, [req], [], [x])
+    c.submit(1, 0, None, [ar("half")], [])  # rank 1 ran out of inline budget: the data plane reduces it
+    [resp] = responses(c.take_responses(), 0)
+    assert resp.data is None and resp.names == ["half"]

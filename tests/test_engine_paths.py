@@ -1,0 +1,223 @@
+"""The engine's fast paths under the launcher: what a user sees must not change with them.
+
+* every tensor of every step still shows its negotiation (with each rank's tick) and its processing in the
+  timeline, whether it was fused, reduced by the coordinator or sent alone, and whether it travelled as a
+  cache id or in full;
+* a waiting caller runs the engine's rounds itself: an exception from a signal handler while it sleeps leaves
+  the engine intact, one that cuts a round short ends the job with that cause (never a hang);
+* threads that enqueue and wait at the same time (some driving, some waiting for the engine thread) all get
+  their own, correct results.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import textwrap
+from collections import Counter, defaultdict
+
+import pytest
+from launch_util import clean_env, launch, marked_processes
+
+pytestmark = pytest.mark.skipif(bool(os.environ.get("HOROVOD_RANK")), reason="drives the launcher itself")
+
+PRELUDE = """\
+import json, os, signal, sys, threading, time
+import numpy as np
+import horovod.numpy as hvd
+OUT = sys.argv[1]
+
+def report(**kw):
+    with open(os.path.join(OUT, f"rank{hvd.rank()}.json"), "w") as f:
+        json.dump(kw, f)
+"""
+
+
+def _run(tmp_path, np_, body, timeout=120.0, **env):
+    script = tmp_path / "job.py"
+    script.write_text(PRELUDE + textwrap.dedent(body))
+    code, out, marker = launch(np_, [sys.executable, str(script), str(tmp_path)], env=clean_env(**env),
+                               timeout=timeout)
+    assert not marked_processes(marker), "processes left behind"
+    assert code is not None, f"the job did not finish within {timeout:.0f} s:\n{out}"
+    reports = {}
+    for r in range(np_):
+        p = tmp_path / f"rank{r}.json"
+        if p.exists():
+            reports[r] = json.loads(p.read_text())
+    return code, out, reports
+
+
+STEPS = 4
+
+
+def test_timeline_shows_every_tensor_of_every_step(tmp_path):
+    timeline = tmp_path / "timeline.json"
+    body = f"""
+        hvd.init()
+        n = hvd.size()
+        small = [np.full(256, float(i), np.float32) for i in range(40)]   # 1 KiB: reduced by the coordinator
+        big = [np.full(50_000, float(i), np.float32) for i in range(3)]   # 200 KB: fused on the data plane
+        for step in range({STEPS}):
+            xs = [x.copy() for x in small + big]
+            names = [f"small.{{i}}" for i in range(40)] + [f"big.{{i}}" for i in range(3)]
+            handles = [hvd.allreduce_async_(x, op=hvd.Sum, name=k) for x, k in zip(xs, names)]
+            for h in handles:
+                hvd.synchronize(h)
+            for x, orig in zip(xs, small + big):
+                assert np.array_equal(x, orig * n), (step, x[:3], orig[:3])
+            assert hvd.allreduce(np.ones(3), op=hvd.Sum, name="lone").tolist() == [float(n)] * 3
+        hvd.barrier()
+        report(ok=True)
+    """
+    code, out, reports = _run(tmp_path, 2, body, HOROVOD_TIMELINE=str(timeline))
+    assert code == 0, out
+    assert set(reports) == {0, 1}, out
+    records = json.loads(timeline.read_text())
+    pid_name = {r["pid"]: r["args"]["name"] for r in records if r.get("name") == "process_name" and r["pid"]}
+    events = defaultdict(list)
+    for r in records:
+        if r.get("ph") in ("B", "E", "X") and r.get("pid") in pid_name:
+            events[pid_name[r["pid"]]].append(r)
+    names = [f"small.{i}" for i in range(40)] + [f"big.{i}" for i in range(3)] + ["lone"]
+    fused_somewhere = False
+    for name in names:
+        evs = sorted(events[name], key=lambda e: e["ts"])
+        begins = Counter(e["name"] for e in evs if e["ph"] == "B")
+        ticks = Counter(e["name"] for e in evs if e["ph"] == "X")
+        assert begins["NEGOTIATE_ALLREDUCE"] == STEPS, (name, begins)
+        assert begins["ALLREDUCE"] == STEPS, (name, begins)
+        assert ticks == {"0": STEPS, "1": STEPS}, (name, ticks)  # every rank's readiness, every step
+        assert sum(begins.values()) == sum(1 for e in evs if e["ph"] == "E"), (name, "unbalanced bars")
+        # each step: negotiation ends before processing starts, and processing ends with dtype and shape
+        depth, top = 0, []
+        for e in evs:
+            if e["ph"] == "B":
+                if depth == 0:
+                    top.append(e["name"])
+                depth += 1
+            elif e["ph"] == "E":
+                depth -= 1
+                if depth == 0 and top[-1] == "ALLREDUCE":
+                    assert e["args"]["dtype"] == ("float64" if name == "lone" else "float32"), e
+        assert top == ["NEGOTIATE_ALLREDUCE", "ALLREDUCE"] * STEPS, (name, top)
+        if name.startswith("big."):
+            assert begins["GLOO_ALLREDUCE"] == STEPS, (name, begins)
+            fused_somewhere |= begins["MEMCPY_IN_FUSION_BUFFER"] > 0
+    assert fused_somewhere, "the large tensors were never fused"
+
+
+def test_an_interrupted_wait_leaves_the_engine_intact(tmp_path):
+    body = """
+        from horovod.common import ops
+
+        class Tick(Exception):
+            pass
+
+        def on_alarm(*_):
+            raise Tick()
+
+        hvd.init()
+        hvd.allreduce(np.ones(2), name="warmup")
+        if hvd.rank() == 1:
+            time.sleep(1.5)
+        h = ops.allreduce(np.ones(4, np.float32), name="late", op=hvd.Sum)
+        interrupted = 0
+        if hvd.rank() == 0:  # the alarm fires while this thread waits for rank 1 (in the engine's poll)
+            signal.signal(signal.SIGALRM, on_alarm)
+            signal.setitimer(signal.ITIMER_REAL, 0.4)
+            try:
+                h.wait()
+            except Tick:
+                interrupted += 1
+        out = h.wait()
+        assert out.tolist() == [2.0] * 4, out
+        for i in range(50):
+            assert hvd.allreduce(np.full(3, float(i)), op=hvd.Sum, name=f"after.{i}").tolist() == [2.0 * i] * 3
+        report(ok=True, interrupted=interrupted)
+    """
+    code, out, reports = _run(tmp_path, 2, body)
+    assert code == 0, out
+    assert reports[0] == {"ok": True, "interrupted": 1}, out
+    assert reports[1] == {"ok": True, "interrupted": 0}, out
+
+
+def test_an_interrupt_inside_a_round_ends_the_job_with_its_cause(tmp_path):
+    body = """
+        from horovod.runtime import executor
+
+        hvd.init()
+        hvd.allreduce(np.ones(2), name="warmup")
+        if hvd.rank() == 1:  # the next round run by this (waiting) thread is cut short, as by Ctrl-C
+            original = executor.Executor.execute
+
+            def cut(self, resp):
+                if threading.current_thread() is threading.main_thread():
+                    executor.Executor.execute = original
+                    raise KeyboardInterrupt
+                return original(self, resp)
+
+            executor.Executor.execute = cut
+        t0 = time.monotonic()
+        seen = []
+        for i in range(200):
+            try:
+                hvd.allreduce(np.ones(2), op=hvd.Sum, name=f"op.{i}")
+            except BaseException as e:  # noqa: BLE001 - the test records what the user sees
+                seen.append(f"{type(e).__name__}: {e}")
+                if len(seen) == 2:
+                    break
+        report(seen=seen, elapsed=time.monotonic() - t0)
+    """
+    code, out, reports = _run(tmp_path, 2, body, timeout=90.0)
+    assert set(reports) == {0, 1}, out
+    cause = "rank 1: KeyboardInterrupt interrupted the engine in the middle of its work"
+    r1 = reports[1]["seen"]
+    assert r1[0] == "KeyboardInterrupt: ", r1
+    assert r1[1].startswith("ShutdownError: Horovod has been shut down.") and cause in r1[1], r1
+    r0 = reports[0]["seen"]
+    assert r0 and all(s.startswith("ShutdownError: Horovod has been shut down.") and cause in s for s in r0), r0
+    assert reports[0]["elapsed"] < 30 and reports[1]["elapsed"] < 30
+
+
+def test_threads_enqueue_and_wait_at_once(tmp_path):
+    body = """
+        from horovod.common import ops
+
+        hvd.init()
+        n, r = hvd.size(), hvd.rank()
+        errors = []
+
+        def work(t):
+            try:
+                for i in range(150):
+                    x = np.full(17 + t, float(i + t), np.float32)
+                    kind = (i + t) % 3
+                    if kind == 0:  # synchronous: this thread runs the engine's rounds itself
+                        out = hvd.allreduce(x, op=hvd.Sum, name=f"t{t}.s{i}")
+                        assert out.tolist() == (x * n).tolist(), (t, i)
+                    elif kind == 1:  # a burst of async ops, then waits
+                        hs = [hvd.allreduce_async(x + k, op=hvd.Sum, name=f"t{t}.a{i}.{k}") for k in range(5)]
+                        for k, h in enumerate(hs):
+                            assert hvd.synchronize(h).tolist() == ((x + k) * n).tolist(), (t, i, k)
+                    else:  # an in-place op waited for with a deadline
+                        y = x.copy()
+                        h = ops.allreduce(y, y, name=f"t{t}.i{i}", op=hvd.Sum)
+                        h.wait(timeout=60)
+                        assert y.tolist() == (x * n).tolist(), (t, i)
+            except BaseException as e:  # noqa: BLE001 - reported below
+                errors.append(f"thread {t}: {type(e).__name__}: {e}")
+
+        threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
+        for th in threads:
+            th.start()
+        work(4)
+        for th in threads:
+            th.join(120)
+        report(errors=errors, alive=sum(th.is_alive() for th in threads))
+    """
+    code, out, reports = _run(tmp_path, 3, body, timeout=240.0)
+    assert code == 0, out
+    for r in range(3):
+        assert reports[r] == {"errors": [], "alive": 0}, (r, reports[r])

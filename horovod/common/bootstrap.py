@@ -128,6 +128,9 @@ class GenerationMismatch(PeerFailure):
         self.peer = peer
         self.reason = message
 
+    def __reduce__(self):  # rebuilt from its pickle (Ray, horovod.run) with both arguments
+        return type(self), (self.peer, self.reason)
+
 
 _STATE_KEY = "init/state.{rank}"  # JSON {"generation": g, "error": text or null}, overwritten every attempt
 _POLL = 0.5  # seconds between looks at a missing peer's state while waiting for one of its keys

@@ -1,0 +1,326 @@
+"""``horovod.spark.run`` on a real local Spark (``local[2]``, a JVM and PySpark's Python workers).
+
+Skipped with the reason when pyspark or Java is missing, unless ``HOROVOD_TEST_REQUIRE_SPARK=1`` (CI), which
+turns the skip into a failure.  Every test checks that no process of its job survives it (the workers carry a
+marker in their environment, passed with ``env=``).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import shutil
+import signal
+import sys
+import threading
+import time
+import uuid
+
+import cloudpickle
+import numpy as np
+import psutil
+import pytest
+
+MARKER = "HOROVOD_TEST_SPARK_MARKER"
+REQUIRE = os.environ.get("HOROVOD_TEST_REQUIRE_SPARK") == "1"
+
+pytestmark = pytest.mark.timeout(180)
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the workers cannot import this test module
+
+
+def _skip_or_fail(reason: str) -> None:
+    if REQUIRE:
+        pytest.fail(f"Spark tests required (HOROVOD_TEST_REQUIRE_SPARK=1) but unavailable: {reason}")
+    pytest.skip(reason)
+
+
+@pytest.fixture(scope="module")
+def spark():
+    try:
+        import pyspark  # noqa: F401
+        from pyspark.sql import SparkSession
+    except ImportError as e:
+        _skip_or_fail(f"pyspark is not installed ({e}); pip install 'horovod[spark]'")
+    if shutil.which("java") is None and not os.environ.get("JAVA_HOME"):
+        _skip_or_fail("no Java runtime (java not on PATH, JAVA_HOME unset); Spark needs Java 17+")
+    os.environ["HOROVOD_TEST_SPARK_UNSET"] = "executor"  # the executors inherit it (local mode)
+    session = (SparkSession.builder.master("local[2]").appName("horovod-spark-tests")
+               .config("spark.ui.enabled", "false").config("spark.ui.showConsoleProgress", "false")
+               .config("spark.driver.bindAddress", "127.0.0.1").config("spark.driver.host", "127.0.0.1")
+               .getOrCreate())
+    session.sparkContext.setLogLevel("ERROR")
+    try:
+        yield session
+    finally:
+        session.stop()
+        os.environ.pop("HOROVOD_TEST_SPARK_UNSET", None)
+
+
+@pytest.fixture
+def marker():
+    """A token in every worker's environment; after the test no process may carry it."""
+    token = uuid.uuid4().hex
+    yield token
+    left = _wait_gone(token, 20.0)
+    for p in left:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    assert not left, f"processes of the job survived it: {[(p.pid, _cmdline(p)) for p in left]}"
+
+
+def _marked(token: str) -> list[psutil.Process]:
+    found = []
+    for p in psutil.process_iter(["pid"]):
+        try:
+            if p.environ().get(MARKER) == token and p.status() != psutil.STATUS_ZOMBIE:
+                found.append(p)
+        except (psutil.Error, OSError):
+            continue
+    return found
+
+
+def _cmdline(p: psutil.Process) -> str:
+    try:
+        return " ".join(p.cmdline())
+    except psutil.Error:
+        return "?"
+
+
+def _wait_gone(token: str, timeout: float) -> list[psutil.Process]:
+    end = time.monotonic() + timeout
+    while True:
+        left = _marked(token)
+        if not left or time.monotonic() > end:
+            return left
+        time.sleep(0.2)
+
+
+def _workers(token: str) -> list[psutil.Process]:
+    return [p for p in _marked(token) if "horovod.spark._worker" in _cmdline(p)]
+
+
+# --- functions run by the workers (pickled by value) ---------------------------------------------------------
+
+def _numpy_job(base: float) -> dict:
+    import horovod.numpy as hvd
+
+    hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+    print(f"hello from rank {rank} of {size}", flush=True)
+    sys.stderr.write(f"note from rank {rank}\n")
+    summed = hvd.allreduce(np.arange(4, dtype=np.float64) * (rank + 1) + base, op=hvd.Sum)
+    gathered = hvd.allgather(np.full((rank + 1, 2), rank, dtype=np.int64))
+    env = {k: os.environ.get(k) for k in ("HOROVOD_TEST_SPARK_EXTRA", "HOROVOD_TEST_SPARK_UNSET")}
+    key = os.environ["HOROVOD_SECRET_KEY"]  # the job key: in the environment, never on a command line
+    leaked = []
+    for p in psutil.process_iter(["cmdline"]):
+        if key in " ".join(p.info["cmdline"] or []):
+            leaked.append(p.pid)
+    return {"leaked": leaked, "key": key, "rank": rank, "size": size, "local_rank": hvd.local_rank(),
+            "local_size": hvd.local_size(),
+            "cross_rank": hvd.cross_rank(), "cross_size": hvd.cross_size(), "sum": summed, "gathered": gathered,
+            "env": env, "pid": os.getpid()}
+
+
+def _torch_job(x: np.ndarray, y: np.ndarray, w0: np.ndarray, b0: float, lr: float, steps: int) -> tuple:
+    import torch
+
+    import horovod.torch as hvd
+
+    hvd.init()
+    torch.set_num_threads(1)
+    n = len(x) // hvd.size()
+    xs = torch.from_numpy(x[hvd.rank() * n:(hvd.rank() + 1) * n])
+    ys = torch.from_numpy(y[hvd.rank() * n:(hvd.rank() + 1) * n])
+    model = torch.nn.Linear(x.shape[1], 1).double()
+    with torch.no_grad():
+        model.weight.copy_(torch.from_numpy(w0 + hvd.rank()))  # rank 1 differs: broadcast must fix it
+        model.bias.fill_(b0)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=lr),
+                                   named_parameters=model.named_parameters())
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(xs), ys)
+        loss.backward()
+        opt.step()
+    return model.weight.detach().numpy().copy(), float(model.bias.item()), float(loss.item())
+
+
+def _failing_job(message: str) -> None:
+    import horovod.numpy as hvd
+
+    hvd.init()
+    if hvd.rank() == 1:
+        raise ValueError(message)
+    time.sleep(300)  # rank 0 never ends by itself: the driver must stop it
+
+
+def _sleeping_job() -> None:
+    import horovod.numpy as hvd
+
+    hvd.init()
+    print("ready", flush=True)
+    time.sleep(300)
+
+
+# --- tests ---------------------------------------------------------------------------------------------------
+
+def test_numpy_results_in_rank_order_with_output(spark, marker):
+    import horovod.spark
+
+    out, err = io.StringIO(), io.StringIO()
+    results = horovod.spark.run(_numpy_job, args=(10.0,), num_proc=2, stdout=out, stderr=err,
+                                env={MARKER: marker, "HOROVOD_TEST_SPARK_EXTRA": 7,
+                                     "HOROVOD_TEST_SPARK_UNSET": None})  # None: delete the executor's
+    assert [r["rank"] for r in results] == [0, 1]
+    expected_sum = sum(np.arange(4, dtype=np.float64) * (r + 1) + 10.0 for r in range(2))
+    expected_gather = np.concatenate([np.full((r + 1, 2), r, dtype=np.int64) for r in range(2)])
+    for r, res in enumerate(results):
+        assert (res["size"], res["local_rank"], res["local_size"]) == (2, r, 2)  # one host: local = global
+        assert (res["cross_rank"], res["cross_size"]) == (0, 1)
+        np.testing.assert_array_equal(res["sum"], expected_sum)
+        np.testing.assert_array_equal(res["gathered"], expected_gather)
+        assert res["env"] == {"HOROVOD_TEST_SPARK_EXTRA": "7", "HOROVOD_TEST_SPARK_UNSET": None}
+    assert results[0]["pid"] != results[1]["pid"]
+    assert results[0]["key"] == results[1]["key"] and len(results[0]["key"]) == 64
+    assert results[0]["leaked"] == results[1]["leaked"] == []
+    assert results[0]["key"] not in out.getvalue() + err.getvalue()
+    for r in range(2):
+        assert f"[{r}]<stdout>:hello from rank {r} of 2\n" in out.getvalue()
+        assert f"[{r}]<stderr>:note from rank {r}\n" in err.getvalue()
+    assert "<stderr>" not in out.getvalue() and "<stdout>" not in err.getvalue()
+
+
+def test_torch_training_matches_single_process(spark, marker):
+    import horovod.spark
+
+    rng = np.random.default_rng(7)
+    x = rng.normal(size=(64, 3))
+    w_true, b_true = np.array([[1.5, -2.0, 0.5]]), 0.3
+    y = x @ w_true.T + b_true + 0.01 * rng.normal(size=(64, 1))
+    w0, b0, lr, steps = np.zeros((1, 3)), 0.0, 0.1, 40
+    results = horovod.spark.run(_torch_job, args=(x, y, w0, b0, lr, steps), num_proc=2, env={MARKER: marker})
+
+    # Single process, plain numpy, on the concatenated data: averaged gradients of equal shards of the mean
+    # squared error are the full batch's gradient.
+    w, b = w0.copy(), b0
+    for _ in range(steps):
+        residual = x @ w.T + b - y
+        w = w - lr * 2.0 / len(x) * (residual.T @ x)
+        b = b - lr * 2.0 / len(x) * float(residual.sum())
+    for weight, bias, loss in results:
+        np.testing.assert_allclose(weight, w, rtol=1e-9, atol=1e-12)
+        assert bias == pytest.approx(b, rel=1e-9, abs=1e-12)
+        assert loss < 0.05  # it learned
+    np.testing.assert_allclose(w, w_true, atol=0.1)
+
+
+def test_second_run_in_same_session_default_num_proc(spark, marker):
+    import horovod.spark
+
+    first = horovod.spark.run(_numpy_job, args=(1.0,), env={MARKER: marker})  # num_proc: defaultParallelism
+    tls = {}
+    try:
+        import cryptography  # noqa: F401 - the driver makes the job's certificate with it
+
+        tls = {"HOROVOD_TLS": "1", "HOROVOD_SHM_DISABLE": "1"}  # the store and the TCP mesh under TLS
+    except ImportError:
+        pass
+    second = horovod.spark.run(_numpy_job, args=(2.0,), env={MARKER: marker, **tls})
+    assert [r["rank"] for r in first] == [r["rank"] for r in second] == [0, 1]
+    assert first[0]["sum"][0] == 1.0 * 2 + 0 + 0 and second[0]["sum"][0] == 2.0 * 2
+    assert second[1]["env"] == {"HOROVOD_TEST_SPARK_EXTRA": None, "HOROVOD_TEST_SPARK_UNSET": "executor"}
+
+
+def test_failing_rank_is_named_and_others_stopped(spark, marker):
+    import horovod.spark
+
+    started = time.monotonic()
+    with pytest.raises(RuntimeError) as info:
+        horovod.spark.run(_failing_job, args=("spark-test-boom",), num_proc=2, env={MARKER: marker},
+                          stdout=io.StringIO(), stderr=io.StringIO())
+    text = str(info.value)
+    assert text.startswith("Horovod detected that one or more processes exited with non-zero status")
+    assert "Process name: 1\nExit code: 1\n" in text
+    assert "ValueError: spark-test-boom" in text
+    assert time.monotonic() - started < 60  # rank 0 would sleep 300 s
+    assert not _wait_gone(marker, 10.0)
+
+
+def test_num_proc_above_slots_fails_within_start_timeout(spark, marker):
+    import horovod.spark
+    from horovod.runner.common.util.timeout import TimeoutException
+
+    started = time.monotonic()
+    with pytest.raises(TimeoutException, match=r"^Timed out waiting for Spark tasks to start\. Please check that "
+                                               r"you have enough resources to run all Horovod processes\.") as info:
+        horovod.spark.run(_numpy_job, args=(0.0,), num_proc=3, start_timeout=10, env={MARKER: marker})
+    assert time.monotonic() - started < 10
+    assert "num_proc=3" in str(info.value) and "2 task slots" in str(info.value)
+    # The session is still usable afterwards.
+    assert [r["rank"] for r in horovod.spark.run(_numpy_job, args=(0.0,), num_proc=2, env={MARKER: marker})] \
+        == [0, 1]
+
+
+def _when_workers_run(token: str, action, count: int = 2, timeout: float = 60.0) -> threading.Thread:
+    def watch() -> None:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            workers = _workers(token)
+            if len(workers) >= count:
+                time.sleep(1.0)  # let them reach the sleep
+                action(workers)
+                return
+            time.sleep(0.1)
+
+    t = threading.Thread(target=watch, daemon=True)
+    t.start()
+    return t
+
+
+def test_cancelled_job_leaves_no_worker(spark, marker):
+    import horovod.spark
+
+    watcher = _when_workers_run(marker, lambda workers: spark.sparkContext.cancelAllJobs())
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="Spark job has failed: .*cancel"):
+        horovod.spark.run(_sleeping_job, num_proc=2, env={MARKER: marker}, stdout=io.StringIO())
+    watcher.join()
+    assert time.monotonic() - started < 60
+    assert not _wait_gone(marker, 15.0)
+
+
+def test_killed_spark_task_leaves_no_worker(spark, marker):
+    import horovod.spark
+
+    killed = []
+
+    def kill_task_of_rank_1(workers: list[psutil.Process]) -> None:
+        worker = next(w for w in workers if w.environ().get("HOROVOD_RANK") == "1")
+        task = worker.parent().parent()  # worker <- watchdog <- Spark's Python worker running the task
+        killed.append(task.pid)
+        task.send_signal(signal.SIGKILL)
+
+    watcher = _when_workers_run(marker, kill_task_of_rank_1)
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"^Spark job has failed: .*Spark task 1 ran Horovod rank 1"):
+        horovod.spark.run(_sleeping_job, num_proc=2, env={MARKER: marker}, stdout=io.StringIO())
+    watcher.join()
+    assert killed
+    assert time.monotonic() - started < 60
+    assert not _wait_gone(marker, 15.0)
+
+
+def test_arguments(spark):
+    import horovod.spark
+
+    with pytest.raises(ValueError, match="use_mpi"):
+        horovod.spark.run(_numpy_job, args=(0.0,), num_proc=2, use_mpi=True)
+    with pytest.raises(ValueError, match="^env argument must be a dict"):
+        horovod.spark.run(_numpy_job, args=(0.0,), num_proc=2, env=["A=1"])
+    with pytest.raises(ValueError, match="num_proc"):
+        horovod.spark.run(_numpy_job, args=(0.0,), num_proc=0)

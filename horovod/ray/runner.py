@@ -119,9 +119,31 @@ class RayExecutor:
                              "is set. ")
         if use_gpu and isinstance(gpus_per_worker, int) and gpus_per_worker < 1:
             raise ValueError(f"gpus_per_slot must be >= 1: Got {gpus_per_worker}.")
+        self.workers: list[Any] = []
+        self._pg: Any = None
+        self._own_pg = False
+        self._server: Any = None
+        self._broken: str | None = None
+        self._elastic: Any = None
+        self._elastic_cls: Any = None
         if min_workers is not None:
-            raise NotImplementedError("RayExecutor(min_workers=...) (elastic Ray jobs) is not supported yet; "
-                                      "use num_workers, or horovodrun's elastic mode (docs/ray.md)")
+            from horovod.ray.elastic import RayHostDiscovery, _ElasticJob
+
+            self.settings = settings if settings is not None else MiniSettings()
+            self.settings.elastic = True
+            gpus = (gpus_per_worker or 1) * int(use_gpu)
+            discovery = getattr(self.settings, "discovery", None)
+            if override_discovery or discovery is None:
+                discovery = RayHostDiscovery(use_gpu=use_gpu, cpus_per_worker=cpus_per_worker,
+                                             gpus_per_worker=gpus or 1)
+                self.settings.discovery = discovery
+            self._elastic_args = dict(
+                discovery=discovery, min_workers=min_workers, max_workers=max_workers, num_workers=min_workers,
+                reset_limit=reset_limit, cooldown_range=cooldown_range, elastic_timeout=elastic_timeout,
+                timeout_s=float(getattr(self.settings, "timeout_s", 30) or 30), cpus_per_worker=cpus_per_worker,
+                gpus_per_worker=gpus, nics=getattr(self.settings, "nics", None))
+            self._elastic_cls = _ElasticJob
+            return
         if num_workers is not None and num_hosts is not None:
             raise AssertionError("num_workers and num_hosts are exclusive: give one of them")
         if num_workers is None and num_hosts is None and not (use_current_placement_group and _current_pg()):
@@ -140,11 +162,6 @@ class RayExecutor:
         self.use_gpu = use_gpu
         self.gpus_per_worker = gpus_per_worker if gpus_per_worker is not None else int(use_gpu)
         self.use_current_placement_group = use_current_placement_group
-        self.workers: list[Any] = []
-        self._pg: Any = None
-        self._own_pg = False
-        self._server: Any = None
-        self._broken: str | None = None
 
     # ------------------------------------------------------------------ lifecycle
     def start(self, executable_cls: type | None = None, executable_args: list | None = None,
@@ -155,6 +172,11 @@ class RayExecutor:
         Raises:
             TimeoutError: the placement group was not ready within ``placement_group_timeout_s``.
         """
+        if self._elastic_cls_or_none() is not None:
+            # Elastic: the actors start in run(), one per slot of the nodes discovery finds (upstream).
+            self._elastic = self._elastic_cls(env_vars={k: str(v) for k, v in (extra_env_vars or {}).items()},
+                                              **self._elastic_args)
+            return
         if self.workers:
             raise RuntimeError("RayExecutor.start() called twice; call shutdown() first")
         try:
@@ -279,22 +301,44 @@ class RayExecutor:
             self._server = None
 
     # ------------------------------------------------------------------ running functions
+    def _elastic_cls_or_none(self) -> Any:
+        return self._elastic_cls
+
     def run(self, fn: Callable[..., Any], args: list | None = None, kwargs: dict | None = None,
             callbacks: list | None = None) -> list[Any]:
-        """``fn(*args, **kwargs)`` on every rank; the results in rank order (``callbacks``: elastic only)."""
+        """``fn(*args, **kwargs)`` on every rank; the results in rank order.
+
+        Elastic (``min_workers``): runs the job until a worker of the final generation returns; the results of
+        that generation's workers in rank order (``fn`` should use ``hvd.elastic.run``).  ``callbacks`` are not
+        supported.
+        """
+        if callbacks:
+            raise NotImplementedError("callbacks (horovod.ray.ray_logger) are not supported")
+        if self._elastic_cls_or_none() is not None:
+            if self._elastic is None:
+                raise RuntimeError("horovod.ray: call RayExecutor.start() before running functions")
+            args, kwargs = list(args or []), dict(kwargs or {})
+            return self._elastic.run(lambda: fn(*args, **kwargs))
         return self._collect(self.run_remote(fn, args, kwargs))
 
     def run_remote(self, fn: Callable[..., Any], args: list | None = None, kwargs: dict | None = None) -> list[Any]:
         """Start ``fn(*args, **kwargs)`` on every rank; the ObjectRefs in rank order (``ray.get`` them)."""
+        self._not_elastic("run_remote")
         args, kwargs = list(args or []), dict(kwargs or {})
         return self._call(lambda _executable: fn(*args, **kwargs))
 
     def execute(self, fn: Callable[[Any], Any], callbacks: list | None = None) -> list[Any]:
         """``fn(executable)`` on every rank (the object ``start(executable_cls=...)`` built); rank order."""
+        self._not_elastic("execute")
         return self._collect(self._call(fn))
+
+    def _not_elastic(self, what: str) -> None:
+        if self._elastic_cls_or_none() is not None:
+            raise NotImplementedError(f"RayExecutor.{what} is not available for elastic jobs (min_workers); use run")
 
     def execute_single(self, fn: Callable[[Any], Any]) -> Any:
         """``fn(executable)`` on rank 0 only."""
+        self._not_elastic("execute_single")
         self._check_running()
         return self._collect([self.workers[0].run_guarded.remote(fn)], ranks=[0])[0]
 

@@ -14,6 +14,7 @@ if os.environ.get("HOROVOD_TEST_REQUIRE_RAY") != "1":
     pytest.importorskip("ray", reason="ray is not installed (pip install 'horovod[ray]')")
 
 
+@pytest.mark.slow
 def test_torch_example():
     pytest.importorskip("torch")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HOROVOD_", "RAY_ADDRESS"))}

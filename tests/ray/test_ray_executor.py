@@ -390,6 +390,7 @@ def _keras_train():
     return w.flatten().tolist() + b.tolist()
 
 
+@pytest.mark.slow
 def test_keras_training_matches_single_process():
     pytest.importorskip("tensorflow")
     ex = RayExecutor(_settings(timeout_s=120), num_workers=2)

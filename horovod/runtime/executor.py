@@ -75,7 +75,8 @@ class Executor:
             results = self._inline_results(resp, entries, DTYPES[resp.dtype])
             for e, result in zip(entries, results):
                 if e is not None:
-                    e.set_result(result, notify=False)
+                    e._result = result  # Handle.set_result(result, notify=False), inlined
+                    e._done = True
             self.queue.completion.notify()
             return entries
         if timeline is not None:
@@ -110,7 +111,8 @@ class Executor:
                                         "shape": "[" + ", ".join(map(str, shape)) + "]"})
         for e, result in zip(entries, results):
             if e is not None:
-                e.handle.set_result(result, notify=False)
+                e._result = result  # Handle.set_result(result, notify=False), inlined
+                e._done = True
         self.queue.completion.notify()
         return entries
 
@@ -179,13 +181,16 @@ class Executor:
         results = []
         offset = 0
         for e, shape in zip(entries, shapes):
-            n = 1
-            for d in shape:
-                n *= d
+            if e is not None:
+                n = e.tensor.size
+            else:
+                n = 1
+                for d in shape:
+                    n *= d
             view = buf[offset:offset + n]
             offset += n
-            if e is not None and e.output is not None:
-                out = e.output
+            out = None if e is None else e.output
+            if out is not None:
                 if out.ndim == 1:
                     out[...] = view
                 else:

@@ -125,8 +125,10 @@ class TensorQueue:
         self.completion = _Completion()
         # Set by the engine: ``driver(handle, deadline)`` runs its rounds in a waiting caller's thread.
         self.driver = None
-        self._caller_blocked = threading.Condition(self._lock)
-        self._go = False
+        # The gather window's gate: a bare lock kept locked; a caller about to wait releases it, the window
+        # takes it back.  Waiting on it is one C call without the GIL (a Condition runs Python on each wake).
+        self._gate = threading.Lock()
+        self._gate.acquire()
         self._new: list[TensorEntry] = []
         self._in_flight: dict[tuple[int, str], TensorEntry] = {}
         self._wake_r, self._wake_w = os.pipe()
@@ -191,21 +193,22 @@ class TensorQueue:
         self._byte = True  # after the write: drain() reads the pipe only when a byte may be there
 
     def caller_blocking(self) -> None:
-        """A framework thread is about to wait for a result: end the engine's gather window now."""
-        if self._go:  # already said (and no window consumed it yet): nothing to wake
-            return
-        with self._lock:
-            self._go = True
-            self._caller_blocked.notify()
+        """A framework thread is about to wait for a result: end the engine's gather window now (or make the
+        next one end at once)."""
+        if self._gate.locked():
+            try:
+                self._gate.release()
+            except RuntimeError:  # another waiting thread opened it meanwhile
+                pass
 
     def gather_window(self, timeout: float) -> None:
         """Called by the engine right after it was woken: give the enqueuing thread the GIL for up to
         ``timeout`` seconds so that tensors enqueued back to back leave in one batch (and fuse), but stop as
-        soon as that thread blocks on a result, so a lone tensor does not wait."""
-        with self._lock:
-            if not self._go and timeout > 0:
-                self._caller_blocked.wait_for(lambda: self._go, timeout)
-            self._go = False
+        soon as that thread blocks on a result."""
+        if timeout > 0:
+            self._gate.acquire(timeout=timeout)
+        else:
+            self._gate.acquire(blocking=False)  # consume a stale "caller waits"
 
     def wake(self) -> None:
         with self._lock:

@@ -46,10 +46,22 @@ def run_elastic(fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: Mappin
                 stdout: IO[str] | None = None, stderr: IO[str] | None = None, verbose: int = 1,
                 nics: Sequence[str] | set[str] | None = None, prefix_output_with_timestamp: bool = False,
                 min_np: int | None = None, max_np: int | None = None) -> list[Any]:
-    """Elastic Horovod in Spark (upstream's signature): not available yet, see docs/spark.md.
+    """Run ``fn`` as an Elastic Horovod job whose hosts are Spark tasks; results of the final ranks, in rank order.
+
+    Upstream's signature and behaviour: ``max_num_proc`` Spark tasks (ordinary, not barrier), each task attempt
+    a host of one slot; the job runs while at least ``min_num_proc`` of them are alive, a failed task is
+    retried by Spark (``spark.task.maxFailures`` must be > 1, e.g. master ``local[2,4]``) and joins as a new
+    host.  ``fn`` uses ``hvd.elastic.run`` and a ``State`` as under ``horovodrun --min-np``.  docs/spark.md.
 
     Raises:
-        NotImplementedError: always; use :func:`run`, or ``horovodrun --min-np/--max-np`` outside Spark.
+        Exception: no active SparkContext (upstream's text).
+        TimeoutException: ``num_proc`` tasks did not start within ``start_timeout``.
+        RuntimeError: the elastic job failed (reset limit, too few hosts for ``elastic_timeout``, every
+            worker failed) or the Spark job failed.
     """
-    raise NotImplementedError("horovod.spark.run_elastic is not available yet: use horovod.spark.run (static), or "
-                              "horovodrun --min-np/--max-np/--host-discovery-script for elastic jobs (docs/elastic.md)")
+    from horovod.spark.elastic import run_elastic as _run_elastic
+
+    return _run_elastic(fn, args=args, kwargs=kwargs, num_proc=num_proc, min_num_proc=min_num_proc,
+                        max_num_proc=max_num_proc, start_timeout=start_timeout, elastic_timeout=elastic_timeout,
+                        reset_limit=reset_limit, env=env, stdout=stdout, stderr=stderr, verbose=verbose, nics=nics,
+                        prefix_output_with_timestamp=prefix_output_with_timestamp, min_np=min_np, max_np=max_np)

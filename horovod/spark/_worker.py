@@ -1,8 +1,8 @@
 """A Horovod process of ``horovod.spark.run``: ``python -m horovod.spark._worker`` (started by its Spark task).
 
 Fetches the pickled ``(fn, args, kwargs)`` from the driver's rendezvous store -- the answer is unpickled
-only after it proved the job key -- runs it, and writes the pickled result (or the error) to the files its
-task named in ``HOROVOD_SPARK_RESULT_FILE``/``HOROVOD_SPARK_ERROR_FILE``; the task hands the result to
+only after it proved the job key -- runs it, and writes the pickled ``(final rank, result)`` (or the error)
+to the files its task named in ``HOROVOD_SPARK_RESULT_FILE``/``HOROVOD_SPARK_ERROR_FILE``; the task hands the result to
 Spark's ``collect`` and the error to the driver.
 """
 
@@ -42,7 +42,8 @@ def main() -> int:
     try:
         fn, args, kwargs = cloudpickle.loads(client.get(FUNC_KEY))
         result = fn(*args, **kwargs)
-        payload = cloudpickle.dumps(result)
+        # The rank this process ended with (elastic jobs change it): the driver orders the results by it.
+        payload = cloudpickle.dumps((int(os.environ.get("HOROVOD_RANK") or -1), result))
     except BaseException as e:  # noqa: BLE001 - any failure of the user's function is reported, then exit 1
         text = traceback.format_exc()
         if isinstance(e, StoreError):

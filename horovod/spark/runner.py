@@ -150,19 +150,23 @@ class _SparkJob:
                                        + f". Timeout after {self.start_timeout:g} seconds.")
             time.sleep(0.5)
 
-    def submit(self, settings: task_mod.TaskSettings) -> None:
+    def submit(self, settings: task_mod.TaskSettings, elastic: bool = False) -> None:
+        """Start the Spark job in a thread: a barrier stage of ``task_fn`` (static) or ordinary tasks of
+        ``elastic_task_fn`` (elastic: a failed task is retried alone)."""
         from functools import partial
 
         import pyspark
 
-        mapper = partial(_mapper, settings)
+        mapper = partial(_elastic_mapper if elastic else _mapper, settings)
         thread_cls = getattr(pyspark, "InheritableThread", threading.Thread)
 
         def body() -> None:
             try:
                 self.sc.setJobGroup(self.group, "Horovod Spark Run", interruptOnCancel=True)
                 rdd = self.sc.parallelize(range(self.num_proc), self.num_proc)
-                self.result = rdd.barrier().mapPartitionsWithIndex(mapper).collect()
+                if not elastic:
+                    rdd = rdd.barrier()
+                self.result = rdd.mapPartitionsWithIndex(mapper).collect()
             except BaseException as e:  # noqa: BLE001 - handed to the driver's thread
                 self.error = e
             finally:
@@ -183,6 +187,12 @@ class _SparkJob:
 
 def _mapper(settings: task_mod.TaskSettings, index: int, iterator: Any) -> Any:
     return task_mod.task_fn(settings, index, iterator)
+
+
+def _elastic_mapper(settings: task_mod.TaskSettings, index: int, iterator: Any) -> Any:
+    from horovod.spark.elastic import elastic_task_fn
+
+    return elastic_task_fn(settings, index, iterator)
 
 
 class _Output:
@@ -335,7 +345,7 @@ def run(fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: Mapping[str, A
         missing = [r for r in range(num_proc) if r not in by_rank]
         if missing:
             raise RuntimeError(f"horovod.spark.run: no result from rank(s) {missing}")
-        return [cloudpickle.loads(by_rank[r]) for r in range(num_proc)]
+        return [cloudpickle.loads(by_rank[r])[1] for r in range(num_proc)]
     finally:
         try:
             server.put(task_mod.ABORT_KEY, b"1")  # tasks still waiting or running stop their workers

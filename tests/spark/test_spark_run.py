@@ -45,7 +45,9 @@ def spark():
     if shutil.which("java") is None and not os.environ.get("JAVA_HOME"):
         _skip_or_fail("no Java runtime (java not on PATH, JAVA_HOME unset); Spark needs Java 17+")
     os.environ["HOROVOD_TEST_SPARK_UNSET"] = "executor"  # the executors inherit it (local mode)
-    session = (SparkSession.builder.master("local[2]").appName("horovod-spark-tests")
+    # local[2, 4]: two task slots; a failed task is retried (up to 4 attempts), which run_elastic relies on
+    # (barrier stages of run() are never retried: a failed task fails the job).
+    session = (SparkSession.builder.master("local[2,4]").appName("horovod-spark-tests")
                .config("spark.ui.enabled", "false").config("spark.ui.showConsoleProgress", "false")
                .config("spark.driver.bindAddress", "127.0.0.1").config("spark.driver.host", "127.0.0.1")
                .getOrCreate())
@@ -157,6 +159,55 @@ def _failing_job(message: str) -> None:
     if hvd.rank() == 1:
         raise ValueError(message)
     time.sleep(300)  # rank 0 never ends by itself: the driver must stop it
+
+
+def _elastic_job(n: int, batch: int, epochs: int, sleep: float) -> tuple:
+    """Exactly-once accounting: every sample adds 1 to its count per epoch, whatever the sizes on the way."""
+    import horovod.numpy as hvd
+    from horovod.common import elastic
+    from horovod.common.elastic_sampler import ElasticSampler
+
+    hvd.init()
+    sampler = ElasticSampler(n, shuffle=True, seed=3, batch_size=batch)
+    state = elastic.ObjectState(hvd.broadcast_object, hvd.rank, epoch=0, counts=np.zeros(n, np.int64),
+                                sampler=sampler, sizes=[])
+
+    @elastic.run
+    def train(state):
+        if not state.sizes or state.sizes[-1] != hvd.size():
+            state.sizes.append(hvd.size())
+        while state.epoch < epochs:
+            state.sampler.set_epoch(state.epoch)
+            for step, indices in enumerate(state.sampler):
+                state.counts += hvd.allreduce(np.bincount(np.asarray(indices, np.int64), minlength=n), op=hvd.Sum,
+                                              name="counts")
+                state.sampler.record_batch(step, batch)
+                time.sleep(sleep)
+                state.commit()
+            state.epoch += 1
+            state.commit()
+
+    train(state)
+    print(f"finished as rank {hvd.rank()} of {hvd.size()}", flush=True)
+    return hvd.rank(), hvd.size(), state.counts
+
+
+def _elastic_failing_job() -> None:
+    import horovod.numpy as hvd
+    from horovod.common import elastic
+
+    hvd.init()
+    state = elastic.ObjectState(hvd.broadcast_object, hvd.rank, steps=0)
+
+    @elastic.run
+    def train(state):
+        if hvd.rank() == 1:
+            raise ValueError("elastic-boom")
+        while True:
+            hvd.allreduce(np.ones(1), name="x")
+            time.sleep(0.05)
+
+    train(state)
 
 
 def _sleeping_job() -> None:
@@ -315,6 +366,40 @@ def test_killed_spark_task_leaves_no_worker(spark, marker):
     assert not _wait_gone(marker, 15.0)
 
 
+def test_elastic_training_survives_a_killed_task(spark, marker):
+    import horovod.spark
+
+    def kill_one_task(workers: list[psutil.Process]) -> None:
+        task = max(workers, key=lambda p: p.pid).parent().parent()  # worker <- watchdog <- Spark's Python worker
+        killed.append(task.pid)
+        task.send_signal(signal.SIGKILL)
+
+    killed: list[int] = []
+    out = io.StringIO()
+    watcher = _when_workers_run(marker, kill_one_task)
+    n, epochs = 40, 2
+    results = horovod.spark.run_elastic(_elastic_job, args=(n, 2, epochs, 0.2), num_proc=2, min_num_proc=1,
+                                        max_num_proc=2, start_timeout=60, elastic_timeout=60,
+                                        env={MARKER: marker}, stdout=out, stderr=io.StringIO())
+    watcher.join()
+    assert killed, "no task was killed"
+    # Spark retried the killed task, which joined again: two final ranks, in rank order, every sample seen
+    # exactly once per epoch across the failure.
+    assert [(rank, size) for rank, size, _ in results] == [(0, 2), (1, 2)]
+    for _, _, counts in results:
+        np.testing.assert_array_equal(counts, np.full(n, epochs))
+    assert "<stdout>:finished as rank 0 of 2" in out.getvalue()
+
+
+def test_elastic_reset_limit(spark, marker):
+    import horovod.spark
+
+    with pytest.raises(RuntimeError, match="number of resets during elastic job exceeded limit: 0"):
+        horovod.spark.run_elastic(_elastic_failing_job, num_proc=2, min_num_proc=1, max_num_proc=2, reset_limit=0,
+                                  start_timeout=60, elastic_timeout=30, env={MARKER: marker},
+                                  stdout=io.StringIO(), stderr=io.StringIO())
+
+
 def test_arguments(spark):
     import horovod.spark
 
@@ -324,3 +409,5 @@ def test_arguments(spark):
         horovod.spark.run(_numpy_job, args=(0.0,), num_proc=2, env=["A=1"])
     with pytest.raises(ValueError, match="num_proc"):
         horovod.spark.run(_numpy_job, args=(0.0,), num_proc=0)
+    with pytest.raises(ValueError, match="min_num_proc"):
+        horovod.spark.run_elastic(_numpy_job, num_proc=2, min_num_proc=3)

@@ -246,6 +246,7 @@ def test_numpy_results_in_rank_order_with_output(spark, marker):
     assert "<stderr>" not in out.getvalue() and "<stdout>" not in err.getvalue()
 
 
+@pytest.mark.slow
 def test_torch_training_matches_single_process(spark, marker):
     import horovod.spark
 
@@ -366,6 +367,7 @@ def test_killed_spark_task_leaves_no_worker(spark, marker):
     assert not _wait_gone(marker, 15.0)
 
 
+@pytest.mark.slow
 def test_elastic_training_survives_a_killed_task(spark, marker):
     import horovod.spark
 

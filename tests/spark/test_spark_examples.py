@@ -13,7 +13,8 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 if os.environ.get("HOROVOD_TEST_REQUIRE_SPARK") != "1":
-    pytest.importorskip("pyspark", reason="pyspark is not installed (pip install 'horovod[spark]')")
+    pytest.importorskip("pyspark", reason="pyspark is not installed (pip install 'horovod[spark]')",
+                        exc_type=ImportError)
     if shutil.which("java") is None and not os.environ.get("JAVA_HOME"):
         pytest.skip("no Java runtime for Spark", allow_module_level=True)
 

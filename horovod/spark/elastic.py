@@ -204,14 +204,7 @@ def _elastic_worker_env(settings: task_mod.TaskSettings, contract: dict[str, str
                         result_file: str, error_file: str) -> dict[str, str]:
     from horovod.common import auth
 
-    env = dict(os.environ)
-    for name in (auth.SECRET_KEY_ENV, "_HOROVOD_SECRET_KEY", "HOROVOD_TLS", "HOROVOD_TLS_CERT", "HOROVOD_TLS_KEY"):
-        env.pop(name, None)
-    for k, v in settings.env.items():
-        if v is None:
-            env.pop(k, None)
-        else:
-            env[k] = v
+    env = task_mod.user_env(settings)
     env.update(contract)
     env.update({"PYTHONPATH": task_mod._python_path(), auth.SECRET_KEY_ENV: settings.key.hex(),
                 task_mod.GPUS_ENV: ",".join(gpus), task_mod.RESULT_ENV: result_file,

@@ -152,6 +152,27 @@ def _torch_job(x: np.ndarray, y: np.ndarray, w0: np.ndarray, b0: float, lr: floa
     return model.weight.detach().numpy().copy(), float(model.bias.item()), float(loss.item())
 
 
+def _keras_job(x: np.ndarray, y: np.ndarray, w0: np.ndarray, b0: float, lr: float, epochs: int) -> tuple:
+    """Keras 3 ``fit`` with upstream's recipe: DistributedOptimizer + BroadcastGlobalVariablesCallback."""
+    import os
+
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    import keras
+
+    import horovod.tensorflow.keras as hvd
+
+    hvd.init()
+    n = len(x) // hvd.size()
+    xs, ys = x[hvd.rank() * n:(hvd.rank() + 1) * n], y[hvd.rank() * n:(hvd.rank() + 1) * n]
+    model = keras.Sequential([keras.Input((x.shape[1],)), keras.layers.Dense(1)])
+    model.layers[0].set_weights([(w0.T + hvd.rank()).astype("float32"), np.full(1, b0, "float32")])
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(lr)), loss="mse")
+    history = model.fit(xs, ys, batch_size=n, epochs=epochs, shuffle=False, verbose=0,
+                        callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)])
+    kernel, bias = model.layers[0].get_weights()
+    return kernel.T.astype(np.float64), float(bias[0]), float(history.history["loss"][-1])
+
+
 def _failing_job(message: str) -> None:
     import horovod.numpy as hvd
 
@@ -269,6 +290,28 @@ def test_torch_training_matches_single_process(spark, marker):
         assert bias == pytest.approx(b, rel=1e-9, abs=1e-12)
         assert loss < 0.05  # it learned
     np.testing.assert_allclose(w, w_true, atol=0.1)
+
+
+@pytest.mark.slow
+def test_keras_training_matches_single_process(spark, marker):
+    import horovod.spark
+
+    rng = np.random.default_rng(11)
+    x = rng.normal(size=(64, 3)).astype(np.float32)
+    y = (x @ np.array([[0.5, -1.0, 2.0]]).T - 0.4).astype(np.float32)
+    w0, b0, lr, epochs = np.zeros((1, 3)), 0.0, 0.1, 30
+    results = horovod.spark.run(_keras_job, args=(x, y, w0, b0, lr, epochs), num_proc=2, env={MARKER: marker})
+
+    # One process, numpy, full batch: one step per epoch on each rank's half averages to the full gradient.
+    w, b = w0.copy(), b0
+    for _ in range(epochs):
+        residual = x @ w.T + b - y
+        w = w - lr * 2.0 / len(x) * (residual.T @ x)
+        b = b - lr * 2.0 / len(x) * float(residual.sum())
+    for weight, bias, loss in results:
+        np.testing.assert_allclose(weight, w, rtol=1e-4, atol=1e-5)
+        assert bias == pytest.approx(b, rel=1e-4, abs=1e-5)
+        assert loss < 0.5
 
 
 def test_second_run_in_same_session_default_num_proc(spark, marker):

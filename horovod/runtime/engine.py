@@ -255,9 +255,17 @@ class Engine:
                 # synchronous op) runs the round itself without waking this thread at all.
                 self.queue.mark_woken()
                 self.queue.gather_window(self._cycle)
-            with self._drive:
+            if not self._drive.acquire(blocking=False):
+                # A waiting caller runs the rounds: wait until it is done, then look again (what was queued
+                # meanwhile gets its gather window instead of leaving alone in a round run right now).
+                self._drive.acquire()
+                self._drive.release()
+                continue
+            try:
                 if self._stop_reason is None:
                     self._round()
+            finally:
+                self._drive.release()
 
     def _round(self, events: list[tuple[int, int]] | None = None) -> None:
         """One pass of the engine's work; whoever runs it holds ``_drive`` (the engine thread, or a caller

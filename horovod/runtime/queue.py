@@ -55,30 +55,39 @@ class Handle:
         return self._done
 
     def wait(self, timeout: float | None = None) -> Any:
-        limit = timeout
         if not self._done:
             queue = self._queue
-            if queue is not None:
+            limit = timeout
+            if queue is None:
+                self._block(timeout, limit)
+            else:
                 queue.caller_blocking()
-                drive = queue.driver
-                if drive is not None:  # run the engine's rounds here while it is free (engine.py)
-                    deadline = None if timeout is None else time.monotonic() + timeout
-                    drive(self, deadline)
-                    if deadline is not None:
-                        timeout = max(0.0, deadline - time.monotonic())
-        if not self._done:
-            completion = self._completion
-            with completion.cond:
-                completion.waiters += 1
                 try:
-                    finished = completion.cond.wait_for(lambda: self._done, timeout)
+                    drive = queue.driver
+                    if drive is not None:  # run the engine's rounds here while it is free (engine.py)
+                        deadline = None if timeout is None else time.monotonic() + timeout
+                        drive(self, deadline)
+                        if deadline is not None:
+                            timeout = max(0.0, deadline - time.monotonic())
+                    self._block(timeout, limit)
                 finally:
-                    completion.waiters -= 1
-            if not finished:
-                raise TimeoutError(f"collective {self.name!r} did not complete within {limit} s")
+                    queue.caller_unblocked()
         if self._error is not None:
             raise self._error
         return self._result
+
+    def _block(self, timeout: float | None, limit: float | None) -> None:
+        if self._done:
+            return
+        completion = self._completion
+        with completion.cond:
+            completion.waiters += 1
+            try:
+                finished = completion.cond.wait_for(lambda: self._done, timeout)
+            finally:
+                completion.waiters -= 1
+        if not finished:
+            raise TimeoutError(f"collective {self.name!r} did not complete within {limit} s")
 
     def set_result(self, result: Any, notify: bool = True) -> None:
         """Complete the handle; ``notify=False`` lets the engine wake waiters once per batch instead."""
@@ -200,6 +209,11 @@ class TensorQueue:
                 self._gate.release()
             except RuntimeError:  # another waiting thread opened it meanwhile
                 pass
+
+    def caller_unblocked(self) -> None:
+        """The waiting thread got its result: a later window must wait for its next wait (a "caller waits"
+        left over from this one would send the first tensor of the next burst alone)."""
+        self._gate.acquire(blocking=False)
 
     def gather_window(self, timeout: float) -> None:
         """Called by the engine right after it was woken: give the enqueuing thread the GIL for up to

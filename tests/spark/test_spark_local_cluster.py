@@ -43,7 +43,8 @@ spark = (SparkSession.builder.master("local-cluster[2,1,1024]").config("spark.ui
          .config("spark.ui.showConsoleProgress", "false").getOrCreate())
 spark.sparkContext.setLogLevel("ERROR")
 try:
-    results = horovod.spark.run(fn, num_proc=2)  # waits for the executors' task slots
+    # Waits for the executors' task slots; two executor JVMs can take long to start on a busy machine.
+    results = horovod.spark.run(fn, num_proc=2, start_timeout=180)
     print("RESULT " + json.dumps({"results": results}), flush=True)
 finally:
     spark.stop()

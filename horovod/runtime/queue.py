@@ -107,10 +107,10 @@ class TensorEntry(Handle):
     """One tensor of a pending collective: request and buffers.  It is its own handle (one object per
     tensor on the enqueue path, not two); ``handle`` is kept for readability at the call sites."""
 
-    __slots__ = ("request", "tensor", "output")
+    __slots__ = ("request", "tensor", "output", "sync")
 
     def __init__(self, request: Request, tensor: np.ndarray | None, output: np.ndarray | None,
-                 queue: TensorQueue | None = None) -> None:
+                 queue: TensorQueue | None = None, sync: bool = False) -> None:
         self._done = False
         self._result = None
         self._error = None
@@ -120,6 +120,7 @@ class TensorEntry(Handle):
         self.request = request
         self.tensor = tensor
         self.output = output
+        self.sync = sync  # enqueued by a caller that waits for it right away (a synchronous op)
 
     @property
     def handle(self) -> Handle:

@@ -136,7 +136,9 @@ class _SparkJob:
             slots = _task_slots(self.sc)
             if slots is None or slots >= self.num_proc:
                 return
-            local = str(self.sc.master).startswith("local")
+            master = str(self.sc.master)
+            # local / local[N] / local[N,F] never grow; local-cluster[...] starts its executor JVMs after the driver.
+            local = master == "local" or master.startswith("local[")
             if local or time.monotonic() >= deadline:
                 why = (f" num_proc={self.num_proc} Spark tasks must run at once (barrier execution mode), but this "
                        f"Spark application has {slots} task slot{'s' if slots != 1 else ''} (master "

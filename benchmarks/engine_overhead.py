@@ -62,7 +62,12 @@ def _profile_engine(engine) -> cProfile.Profile:
 def _profiles(result: dict, caller: cProfile.Profile, engine: cProfile.Profile, tensors: int, top: int) -> None:
     for label, prof in (("caller thread", caller), ("engine thread", engine)):
         out = io.StringIO()
-        stats = pstats.Stats(prof, stream=out)
+        try:
+            stats = pstats.Stats(prof, stream=out)
+        except TypeError:  # nothing recorded: the thread slept throughout (the caller ran every round)
+            result.setdefault("profiles", {})[label] = {"text": "(no calls)", "calls_per_tensor": 0.0,
+                                                        "tottime_us_per_tensor": 0.0}
+            continue
         total_calls = stats.total_calls  # type: ignore[attr-defined]
         stats.sort_stats("tottime").print_stats(top)
         result.setdefault("profiles", {})[label] = {

@@ -61,17 +61,18 @@ class Handle:
             if queue is None:
                 self._block(timeout, limit)
             else:
-                queue.caller_blocking()
-                try:
-                    drive = queue.driver
-                    if drive is not None:  # run the engine's rounds here while it is free (engine.py)
-                        deadline = None if timeout is None else time.monotonic() + timeout
-                        drive(self, deadline)
-                        if deadline is not None:
-                            timeout = max(0.0, deadline - time.monotonic())
-                    self._block(timeout, limit)
-                finally:
-                    queue.caller_unblocked()
+                drive = queue.driver
+                if drive is not None:  # run the engine's rounds here while it is free (engine.py)
+                    deadline = None if timeout is None else time.monotonic() + timeout
+                    drive(self, deadline)
+                    if deadline is not None:
+                        timeout = max(0.0, deadline - time.monotonic())
+                if not self._done:  # the engine thread does the work: end its gather window now
+                    queue.caller_blocking()
+                    try:
+                        self._block(timeout, limit)
+                    finally:
+                        queue.caller_unblocked()
         if self._error is not None:
             raise self._error
         return self._result

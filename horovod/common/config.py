@@ -187,7 +187,7 @@ KNOBS: tuple[Knob, ...] = (
          "--cycle-time-ms", float, "Upper bound in ms on how long the engine waits for more tensors to fuse.",
          "params.cycle_time_ms"),
     Knob("spin_wait_us", "HOROVOD_SPIN_WAIT_US",
-         functools.partial(parse_number, what="a number of microseconds"), 50.0,
+         functools.partial(parse_number, what="a number of microseconds"), 100.0,
          None, None, "Microseconds a thread waiting for a result polls before it sleeps (0: never; it backs "
          "off by itself when polling finds nothing).", None),
     Knob("cache_capacity", "HOROVOD_CACHE_CAPACITY", _count(), 1024,
@@ -242,7 +242,7 @@ class RuntimeConfig:
 
     fusion_threshold: int = 128 * MIB
     cycle_time_ms: float = 1.0
-    spin_wait_us: float = 50.0
+    spin_wait_us: float = 100.0
     cache_capacity: int = 1024
     hierarchical_allreduce: bool | None = None
     hierarchical_allgather: bool | None = None

@@ -25,7 +25,9 @@ def _dev_shm() -> set[str]:
         names = os.listdir("/dev/shm")
     except FileNotFoundError:
         return set()
-    return {n for n in names if not n.startswith(("vader_segment", "sm_segment", "psm", "ompi"))}
+    # Horovod's segments are memfds (never in /dev/shm); Python multiprocessing semaphores (sem.mp-*) belong to
+    # other programs on the machine (torch, Spark workers), as Open MPI's segments do.
+    return {n for n in names if not n.startswith(("vader_segment", "sm_segment", "psm", "ompi", "sem.mp-"))}
 
 
 def _script(tmp_path, body: str) -> str:

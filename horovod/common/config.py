@@ -205,7 +205,12 @@ KNOBS: tuple[Knob, ...] = (
          _bool_env),
     Knob("stall_check_disable", "HOROVOD_STALL_CHECK_DISABLE", parse_bool, False,
          "--no-stall-check", bool, "Disable the stall inspector.", None, _bool_env),
-    Knob("stall_check_time", "HOROVOD_STALL_CHECK_TIME_SECONDS", _seconds(), 60.0,
+    # 0 would silently switch the stall inspector (and so the stall shutdown) off: HOROVOD_STALL_CHECK_DISABLE
+    # is the one way to do that, so 0 is refused with a hint naming it.
+    Knob("stall_check_time", "HOROVOD_STALL_CHECK_TIME_SECONDS",
+         functools.partial(parse_number, positive=True, what="a number of seconds",
+                           hint=" (a plain number such as 60, no unit; HOROVOD_STALL_CHECK_DISABLE=1 turns the "
+                                "stall inspector off)"), 60.0,
          "--stall-check-warning-time-seconds", int, "Seconds before a stalled tensor is reported.",
          "stall_check.warning_time_seconds"),
     Knob("stall_shutdown_time", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", _seconds(never=True),

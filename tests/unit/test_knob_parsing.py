@@ -75,6 +75,9 @@ VALID = [
 
 # Values valid for a number but not for this variable.
 OUT_OF_RANGE = [
+    # 0 would switch the stall inspector (and its shutdown) off; HOROVOD_STALL_CHECK_DISABLE is the way to do that
+    ("HOROVOD_STALL_CHECK_TIME_SECONDS", "0", "must be > 0 (a plain number such as 60, no unit; "
+                                              "HOROVOD_STALL_CHECK_DISABLE=1"),
     ("HOROVOD_GLOO_TIMEOUT_SECONDS", "0", "must be > 0"),      # 0 would make every socket non-blocking
     ("HOROVOD_START_TIMEOUT", "0", "must be > 0"),
     ("HOROVOD_ELASTIC_TIMEOUT", "0", "must be > 0"),

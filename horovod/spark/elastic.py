@@ -93,7 +93,7 @@ def elastic_task_fn(settings: task_mod.TaskSettings, index: int,
             env = _elastic_worker_env(settings, command["env"], gpus, result_file, error_file)
             worker = [settings.executable or sys.executable, "-m", "horovod.spark._worker"]
             proc = spawn.spawn_local(spawn.WorkerSpec(rank=index, command=worker, env=env, cwd=os.getcwd()))
-            outbox = _RawOutbox(client, host)
+            outbox = task_mod.Outbox(client, lambda seq: f"spark/out.{host}.{seq}", f"host {host}")
             readers = [threading.Thread(target=_pump, args=(stream, name, outbox), daemon=True,
                                         name=f"horovod-spark-{name}")
                        for stream, name in ((proc.stdout, "stdout"), (proc.stderr, "stderr"))]
@@ -225,48 +225,7 @@ def _signal_group(proc: Any, sig: int) -> None:
         pass
 
 
-class _RawOutbox:
-    """The worker's raw output per stream, to ``spark/out.<host>.<seq>`` every 0.1 s (the driver prefixes)."""
-
-    def __init__(self, client: Any, host: str) -> None:
-        self._client = client
-        self._host = host
-        self._items: list[list[str]] = []
-        self._lock = threading.Lock()
-        self._seq = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, daemon=True, name="horovod-spark-output")
-        self._thread.start()
-
-    def add(self, stream: str, text: str) -> None:
-        with self._lock:
-            if self._items and self._items[-1][0] == stream:
-                self._items[-1][1] += text
-            else:
-                self._items.append([stream, text])
-
-    def flush(self) -> None:
-        with self._lock:
-            items, self._items = self._items, []
-            if not items:
-                return
-            seq, self._seq = self._seq, self._seq + 1
-            try:
-                self._client.put(f"spark/out.{self._host}.{seq}", json.dumps(items).encode("utf-8"))
-            except Exception as e:  # noqa: BLE001 - the driver is gone
-                sys.stderr.write(f"horovod.spark: could not forward output: {e}\n")
-
-    def _loop(self) -> None:
-        while not self._stop.wait(task_mod.OUTPUT_FLUSH_SECONDS):
-            self.flush()
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=10)
-        self.flush()
-
-
-def _pump(stream: Any, name: str, outbox: _RawOutbox) -> None:
+def _pump(stream: Any, name: str, outbox: task_mod.Outbox) -> None:
     import codecs
 
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")

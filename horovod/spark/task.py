@@ -16,6 +16,7 @@ environment through the watchdog's stdin, never on a command line.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -26,7 +27,7 @@ import sysconfig
 import tempfile
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 __all__ = ["TaskSettings", "host_hash", "get_available_devices", "task_fn", "GPUS_ENV", "RESULT_ENV",
@@ -127,9 +128,9 @@ def get_available_devices() -> list[str]:
 
 
 class _StreamSink:
-    """One stream's lines (already ``[rank]<stream>:`` prefixed), into the task's :class:`_Outbox`."""
+    """One stream's lines (already ``[rank]<stream>:`` prefixed), into the task's :class:`Outbox`."""
 
-    def __init__(self, stream: str, outbox: _Outbox) -> None:
+    def __init__(self, stream: str, outbox: Outbox) -> None:
         self.stream = stream
         self.outbox = outbox
 
@@ -137,12 +138,14 @@ class _StreamSink:
         self.outbox.add(self.stream, text)
 
 
-class _Outbox:
-    """Output of both streams in arrival order; a thread PUTs it as ``spark/out.<rank>.<seq>`` every 0.1 s."""
+class Outbox:
+    """Output of both streams in arrival order; a thread PUTs it under ``key(seq)`` every 0.1 s (or when a chunk
+    is full), so the driver can print it with prefixes.  ``who`` names the sender in an error."""
 
-    def __init__(self, client: Any, rank: int) -> None:
+    def __init__(self, client: Any, key: Callable[[int], str], who: str) -> None:
         self._client = client
-        self._rank = rank
+        self._key = key
+        self._who = who
         self._items: list[list[str]] = []
         self._size = 0
         self._lock = threading.Lock()
@@ -169,9 +172,9 @@ class _Outbox:
                 return
             seq, self._seq = self._seq, self._seq + 1
             try:  # under the lock: chunks must arrive in sequence order
-                self._client.put(output_key(self._rank, seq), json.dumps(items).encode("utf-8"))
+                self._client.put(self._key(seq), json.dumps(items).encode("utf-8"))
             except Exception as e:  # noqa: BLE001 - the driver is gone: output has nowhere to go
-                sys.stderr.write(f"horovod.spark: could not forward rank {self._rank}'s output: {e}\n")
+                sys.stderr.write(f"horovod.spark: could not forward {self._who}'s output: {e}\n")
 
     def _loop(self) -> None:
         while not self._stop.wait(OUTPUT_FLUSH_SECONDS):
@@ -326,7 +329,7 @@ def task_fn(settings: TaskSettings, index: int, iterator: Iterable[Any]) -> Iter
         result_file, error_file = os.path.join(tmp, "result"), os.path.join(tmp, "error")
         env = _worker_env(settings, assignment, gpus, result_file, error_file)
         command = [settings.executable or sys.executable, "-m", "horovod.spark._worker"]
-        outbox = _Outbox(client, rank)
+        outbox = Outbox(client, functools.partial(output_key, rank), f"rank {rank}")
         proc = spawn.spawn_local(spawn.WorkerSpec(rank=rank, command=command, env=env, cwd=os.getcwd()))
         readers = []
         for stream, name in ((proc.stdout, "stdout"), (proc.stderr, "stderr")):

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -32,6 +31,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch.nn as nn
     import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel
+    from torch_training import gloo_beside_horovod  # benchmarks/ is sys.path[0]
 
     import horovod.torch as hvd
     from horovod.common import basics
@@ -52,13 +52,7 @@ def worker(args: argparse.Namespace) -> None:
 
     torch.set_num_threads(1)
     hvd.init()
-    port = 0
-    if hvd.rank() == 0:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-    port = hvd.broadcast_object(port, root_rank=0, name="ddp_port")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=hvd.rank(), world_size=hvd.size())
+    gloo_beside_horovod(hvd)
     torch.manual_seed(0)
     ddp = DistributedDataParallel(Net())
     ddp_opt = torch.optim.SGD(ddp.parameters(), lr=0.01)

@@ -47,6 +47,19 @@ class Net(nn.Module):
         return self.fc2(F.relu(self.fc1(x.flatten(1))))
 
 
+def gloo_beside_horovod(hvd) -> None:
+    """torch.distributed's Gloo group for the DDP contender, on the ranks Horovod assigned (one launch)."""
+    import torch.distributed as dist
+
+    port = 0
+    if hvd.rank() == 0:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+    port = hvd.broadcast_object(port, root_rank=0, name="ddp_port")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=hvd.rank(), world_size=hvd.size())
+
+
 def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
@@ -55,13 +68,7 @@ def worker(args: argparse.Namespace) -> None:
 
     torch.set_num_threads(1)
     hvd.init()
-    port = 0
-    if hvd.rank() == 0:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-    port = hvd.broadcast_object(port, root_rank=0, name="ddp_port")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=hvd.rank(), world_size=hvd.size())
+    gloo_beside_horovod(hvd)
 
     torch.manual_seed(0)
     ddp_model = DistributedDataParallel(Net())

@@ -8,8 +8,8 @@ environment (``HOROVOD_RANK``, ... see docs/architecture.md); with none set, the
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import logging
-import os
 import threading
 from collections.abc import Sequence
 
@@ -61,12 +61,12 @@ def init(comm=None, process_sets: Sequence[ProcessSet] | str | None = None) -> N
             return
         _generation += 1
         gen = _generation
+        config = read_runtime_config()
         if isinstance(process_sets, str):
             if process_sets.lower() != "dynamic":
                 raise ValueError(f"Unknown process_sets value: {process_sets!r}")
-            os.environ["HOROVOD_DYNAMIC_PROCESS_SETS"] = "1"
+            config = dataclasses.replace(config, dynamic_process_sets=True)  # this init only, as upstream
             process_sets = None
-        config = read_runtime_config()
         bootstrap.join_torchrun()  # torchrun/PyTorchJob: exports HOROVOD_RANK... (a no-op otherwise)
         elastic_mesh = bootstrap.elastic_mesh()  # elastic: the driver assigns the rank (sets HOROVOD_RANK...)
         mpi = bootstrap.mpi_job(comm) if bootstrap.use_mpi(comm) else None
@@ -262,7 +262,7 @@ def stop_timeline() -> None:
 def add_process_set(ps: ProcessSet) -> ProcessSet:
     global _dynamic_counter
     e = engine()
-    if not e.config.dynamic_process_sets and os.environ.get("HOROVOD_DYNAMIC_PROCESS_SETS") not in ("1",):
+    if not e.config.dynamic_process_sets:
         raise ValueError("Set HOROVOD_DYNAMIC_PROCESS_SETS=1 to allow adding process sets after Horovod "
                          "initialization.")
     if ps.ranks is None:

@@ -241,29 +241,18 @@ KNOBS: tuple[Knob, ...] = (
 KNOBS_BY_NAME: dict[str, Knob] = {k.name: k for k in KNOBS}
 
 
-@dataclasses.dataclass
-class RuntimeConfig:
-    """The parsed knobs; attribute names are :attr:`Knob.name`."""
+def _field_type(knob: Knob) -> Any:
+    """The annotation of a knob's field: the type of its default (a tri-state knob is ``bool | None``)."""
+    return bool | None if knob.default is None else type(knob.default)
 
-    fusion_threshold: int = 128 * MIB
-    cycle_time_ms: float = 1.0
-    spin_wait_us: float = 100.0
-    cache_capacity: int = 1024
-    hierarchical_allreduce: bool | None = None
-    hierarchical_allgather: bool | None = None
-    timeline: str = ""
-    timeline_mark_cycles: bool = False
-    stall_check_disable: bool = False
-    stall_check_time: float = 60.0
-    stall_shutdown_time: float = DEFAULT_STALL_SHUTDOWN_SECONDS
-    log_level: str = "WARNING"
-    log_hide_time: bool = False
-    op_timeout: float = 30.0
-    disable_shm: bool = False
-    dynamic_process_sets: bool = False
-    disable_group_fusion: bool = False
-    elastic: bool = False
-    tls: bool = False
+
+RuntimeConfig = dataclasses.make_dataclass(
+    "RuntimeConfig",
+    [(k.name, _field_type(k), dataclasses.field(default=k.default)) for k in KNOBS],
+)
+RuntimeConfig.__module__ = __name__  # pickling and repr find it here
+RuntimeConfig.__doc__ = """The parsed knobs, generated from :data:`KNOBS` (one field per knob, named :attr:`Knob.name`,
+defaulting to :attr:`Knob.default`), so no default is written twice."""
 
 
 # ---------------------------------------------------------------------------------------------- other variables

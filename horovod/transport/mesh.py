@@ -48,7 +48,7 @@ import time
 from typing import Any, Protocol
 
 from horovod.common import auth
-from horovod.common.config import env_bool
+from horovod.common.config import read_env
 from horovod.common.exceptions import WireError
 from horovod.transport import tls as tls_mod
 from horovod.transport.communicator import PeerFailure
@@ -532,7 +532,7 @@ def build_mesh(rank: int, size: int, hostname: str, store: Store, key: bytes, *,
         ValueError: ``HOROVOD_TLS`` is on but the environment has no job certificate (not under horovodrun).
     """
     if disable_shm is None:
-        disable_shm = env_bool("HOROVOD_SHM_DISABLE")
+        disable_shm = read_env("HOROVOD_SHM_DISABLE")
     job_tls = tls_mod.resolve(tls)
     if size == 1:
         return Mesh(rank, size, [hostname], disable_shm=disable_shm, tls=job_tls is not None)

@@ -342,6 +342,22 @@ def test_dynamic_process_sets_need_the_flag():
         hvd.add_process_set([0])
 
 
+def test_dynamic_process_sets_for_that_init_only():
+    """``init(process_sets="dynamic")`` enables them for that init, without exporting a variable (children and
+    the next plain init() see no flag)."""
+    hvd.shutdown()
+    hvd.init(process_sets="dynamic")
+    try:
+        assert "HOROVOD_DYNAMIC_PROCESS_SETS" not in os.environ
+        with pytest.raises(ValueError, match=r"^Attempted to add a duplicate process set"):  # past the flag
+            hvd.add_process_set([0])  # at size 1 every set is the global one
+    finally:
+        hvd.shutdown()
+    hvd.init()
+    with pytest.raises(ValueError, match=r"^Set HOROVOD_DYNAMIC_PROCESS_SETS=1"):
+        hvd.add_process_set([0])
+
+
 def test_unknown_handle():
     with pytest.raises(ValueError):
         hvd.synchronize(987654321)

@@ -65,7 +65,7 @@ def init(comm=None, process_sets: Sequence[ProcessSet] | str | None = None) -> N
         if isinstance(process_sets, str):
             if process_sets.lower() != "dynamic":
                 raise ValueError(f"Unknown process_sets value: {process_sets!r}")
-            config = dataclasses.replace(config, dynamic_process_sets=True)  # this init only, as upstream
+            config = dataclasses.replace(config, dynamic_process_sets=True)  # this init only
             process_sets = None
         bootstrap.join_torchrun()  # torchrun/PyTorchJob: exports HOROVOD_RANK... (a no-op otherwise)
         elastic_mesh = bootstrap.elastic_mesh()  # elastic: the driver assigns the rank (sets HOROVOD_RANK...)

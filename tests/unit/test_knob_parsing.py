@@ -7,6 +7,7 @@ the value, from ``hvd.init()`` in a worker and from ``horovodrun`` before any wo
 """
 
 import argparse
+import dataclasses
 import math
 import os
 import re
@@ -19,7 +20,7 @@ import pytest
 
 import horovod
 from horovod.common import bootstrap, config
-from horovod.common.config import ENV_VARS, KNOBS, EnvVarError, read_env, read_runtime_config
+from horovod.common.config import ENV_VARS, KNOBS, EnvVarError, RuntimeConfig, read_env, read_runtime_config
 from horovod.runner import knobs as knobs_mod
 from horovod.runner.launch import _run, make_parser, parse_args
 
@@ -105,6 +106,14 @@ def test_registry_covers_the_table():
     assert {k.env for k in KNOBS} <= set(ENV_VARS)
     assert set(CHECKED_VARS) >= {"HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "HOROVOD_RANK", "HOROVOD_SECRET_KEY",
                                  "HOROVOD_START_TIMEOUT", "HOROVOD_GLOO_RENDEZVOUS_PORT"}
+
+
+def test_runtime_config_is_the_table():
+    """One definition per knob: RuntimeConfig's fields and defaults are the table's, in its order."""
+    fields = dataclasses.fields(RuntimeConfig)
+    assert [f.name for f in fields] == [k.name for k in KNOBS]
+    assert [f.default for f in fields] == [k.default for k in KNOBS]
+    assert read_runtime_config({}) == RuntimeConfig()
 
 
 def test_every_variable_the_code_reads_is_registered():

@@ -206,6 +206,11 @@ class Engine:
         with self._sets_lock:
             return self.process_sets.get(set_id)
 
+    def set_table(self) -> dict[int, list[int]]:
+        """A copy of every registered process set's ranks, by id (taken under the engine's lock)."""
+        with self._sets_lock:
+            return {k: list(v) for k, v in self.process_sets.items()}
+
     def _shutdown_message(self) -> str:
         reason = self._stop_reason
         if reason is None or reason == f"rank {self.rank} called shutdown()":  # our own: upstream's exact text

@@ -149,6 +149,13 @@ def _count(what: str = "a whole number", minimum: int = 0) -> Callable[[str, str
     return functools.partial(parse_int, minimum=minimum, what=what)
 
 
+def _unit_interval(name: str, text: str) -> float:
+    """A number in [0, 1] (autotune's Gaussian-process noise)."""
+    value = parse_number(name, text, what="a number in [0, 1]")
+    _check_range(name, text, value, 0.0, 1.0)
+    return value
+
+
 
 # ---------------------------------------------------------------------------------------------- knob table
 @dataclasses.dataclass(frozen=True)
@@ -236,6 +243,28 @@ KNOBS: tuple[Knob, ...] = (
          "--tls", bool, "Encrypt the rendezvous store and the TCP channels between ranks with mutual TLS "
          "(a per-job certificate the launcher makes; needs the 'cryptography' package on the launcher's host).",
          None, _bool_env),
+    # Autotune (horovod/runtime/autotune.py): rank 0 searches fusion threshold, cycle time, cache and
+    # hierarchical collectives while the job trains, then keeps the best.
+    Knob("autotune", "HOROVOD_AUTOTUNE", parse_bool, False,
+         "--autotune", bool, "Tune fusion threshold, cycle time, response cache and hierarchical collectives "
+         "while the job runs (rank 0 decides; every rank switches at the same point).", "autotune.enabled",
+         _bool_env),
+    Knob("autotune_log", "HOROVOD_AUTOTUNE_LOG", parse_str, "",
+         "--autotune-log-file", str, "Rank 0 writes every autotune trial (CSV, last row = best) to this file.",
+         "autotune.log_file"),
+    Knob("autotune_warmup_samples", "HOROVOD_AUTOTUNE_WARMUP_SAMPLES", _count("a number of samples"), 3,
+         "--autotune-warmup-samples", int, "Autotune samples discarded before scores count.",
+         "autotune.warmup_samples"),
+    Knob("autotune_steps_per_sample", "HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE", _count("a number of steps", 1), 10,
+         "--autotune-steps-per-sample", int, "Training steps (a tensor name seen again) per autotune sample.",
+         "autotune.steps_per_sample"),
+    Knob("autotune_bayes_opt_max_samples", "HOROVOD_AUTOTUNE_BAYES_OPT_MAX_SAMPLES",
+         _count("a number of samples", 1), 20,
+         "--autotune-bayes-opt-max-samples", int, "Trials of the Bayesian search of fusion threshold and "
+         "cycle time.", "autotune.bayes_opt_max_samples"),
+    Knob("autotune_gaussian_process_noise", "HOROVOD_AUTOTUNE_GAUSSIAN_PROCESS_NOISE", _unit_interval, 0.8,
+         "--autotune-gaussian-process-noise", float, "Noise of the scores the Gaussian process assumes, in "
+         "[0, 1].", "autotune.gaussian_process_noise"),
 )
 
 KNOBS_BY_NAME: dict[str, Knob] = {k.name: k for k in KNOBS}

@@ -319,6 +319,14 @@ class Coordinator:
             self._evict(state, old)
         return cid
 
+    def set_cache_capacity(self, capacity: int) -> None:
+        """Change the capacity at run time (autotune switches the cache off with 0): entries beyond it are
+        evicted with the usual notices, so every member stops using them in step."""
+        self.cache_capacity = capacity
+        for state in self.sets.values():
+            while len(state.cache) > capacity:
+                self._evict(state, next(iter(state.cache)))
+
     def _evict(self, state: _SetState, cid: int) -> None:
         entry = state.cache.pop(cid, None)
         if entry is None:

@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 __all__ = ["Knob", "KNOBS", "RuntimeConfig", "read_runtime_config", "EnvVar", "ENV_VARS", "EnvVarError",
-           "read_env", "env_bool", "env_int", "env_float", "start_timeout", "format_number",
+           "read_env", "explicit_knobs", "env_bool", "env_int", "env_float", "start_timeout", "format_number",
            "parse_bool", "parse_int", "parse_number", "parse_choice", "LOG_LEVELS",
            "DEFAULT_START_TIMEOUT", "DEFAULT_ELASTIC_TIMEOUT", "DEFAULT_STALL_SHUTDOWN_SECONDS"]
 
@@ -362,6 +362,12 @@ def read_runtime_config(environ: Mapping[str, str] | None = None) -> RuntimeConf
         text = _text(knob.env, environ)
         values[knob.name] = knob.default if text is None else knob.parse(knob.env, text)
     return RuntimeConfig(**values)
+
+
+def explicit_knobs(environ: Mapping[str, str] | None = None) -> set[str]:
+    """Names of the knobs set (not empty) in ``environ`` (default ``os.environ``): autotune leaves what the
+    user chose out of its search, as upstream does."""
+    return {knob.name for knob in KNOBS if _text(knob.env, environ) is not None}
 
 
 def start_timeout(environ: Mapping[str, str] | None = None) -> float:

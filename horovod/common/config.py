@@ -163,7 +163,12 @@ class Knob:
     """A runtime setting: where it is read from and how it is parsed.
 
     ``parse(env_name, text)`` returns the value or raises :class:`EnvVarError`.  ``flag_to_env`` converts
-    the launcher flag's value to the env text (e.g. MB → bytes).
+    the launcher flag's value to the env text (e.g. MB → bytes).  The launcher's spelling of a knob is here
+    too, so a knob added to the table is a ``horovodrun`` flag, a config-file key and a ``horovod.run()``
+    argument without further edits: ``flag_off`` is a hidden flag setting the opposite of a boolean flag
+    (upstream's ``--stall-check``), ``flag_aliases`` are hidden other spellings (deprecated names),
+    ``yaml_off`` a config-file key meaning the opposite (upstream's ``stall_check.enabled``), ``choices``
+    the values a text flag takes (any case).
     """
 
     name: str
@@ -175,6 +180,10 @@ class Knob:
     help: str = ""
     yaml: str | None = None
     flag_to_env: Callable[[Any], str] = str
+    flag_off: str | None = None
+    flag_aliases: tuple[str, ...] = ()
+    yaml_off: str | None = None
+    choices: tuple[str, ...] = ()
 
 
 def _mb_to_bytes(v: Any) -> str:
@@ -211,7 +220,8 @@ KNOBS: tuple[Knob, ...] = (
          "--timeline-mark-cycles", bool, "Mark engine cycles in the timeline.", "timeline.mark_cycles",
          _bool_env),
     Knob("stall_check_disable", "HOROVOD_STALL_CHECK_DISABLE", parse_bool, False,
-         "--no-stall-check", bool, "Disable the stall inspector.", None, _bool_env),
+         "--no-stall-check", bool, "Disable the stall inspector.", None, _bool_env,
+         flag_off="--stall-check", yaml_off="stall_check.enabled"),
     # 0 would silently switch the stall inspector (and so the stall shutdown) off: HOROVOD_STALL_CHECK_DISABLE
     # is the one way to do that, so 0 is refused with a hint naming it.
     Knob("stall_check_time", "HOROVOD_STALL_CHECK_TIME_SECONDS",
@@ -225,9 +235,10 @@ KNOBS: tuple[Knob, ...] = (
          "--stall-check-shutdown-time-seconds", int,
          "Seconds after which a stalled job is shut down (0 = never).", "stall_check.shutdown_time_seconds"),
     Knob("log_level", "HOROVOD_LOG_LEVEL", functools.partial(parse_choice, choices=LOG_LEVELS), "WARNING",
-         "--log-level", str, "Log level of the workers' engine.", "logging.level"),
+         "--log-level", str, "Log level of the workers' engine.", "logging.level", choices=LOG_LEVELS),
     Knob("log_hide_time", "HOROVOD_LOG_HIDE_TIME", parse_bool, False,
-         "--log-without-timestamp", bool, "Hide timestamps in engine log lines.", None, _bool_env),
+         "--log-without-timestamp", bool, "Hide timestamps in engine log lines.", None, _bool_env,
+         flag_off="--log-with-timestamp", flag_aliases=("--log-hide-timestamp",), yaml_off="logging.with_timestamp"),
     Knob("op_timeout", "HOROVOD_GLOO_TIMEOUT_SECONDS", _seconds(positive=True), 30.0,
          "--gloo-timeout-seconds", int, "Seconds a peer may take inside a collective before the job fails.",
          "library_options.gloo_timeout_seconds"),
@@ -248,7 +259,7 @@ KNOBS: tuple[Knob, ...] = (
     Knob("autotune", "HOROVOD_AUTOTUNE", parse_bool, False,
          "--autotune", bool, "Tune fusion threshold, cycle time, response cache and hierarchical collectives "
          "while the job runs (rank 0 decides; every rank switches at the same point).", "autotune.enabled",
-         _bool_env),
+         _bool_env, flag_off="--no-autotune"),
     Knob("autotune_log", "HOROVOD_AUTOTUNE_LOG", parse_str, "",
          "--autotune-log-file", str, "Rank 0 writes every autotune trial (CSV, last row = best) to this file.",
          "autotune.log_file"),

@@ -13,6 +13,7 @@ import logging
 import threading
 from collections.abc import Sequence
 
+from horovod.base.reduce_ops import ReduceOp
 from horovod.common import bootstrap, logconfig, naming
 from horovod.common.config import read_runtime_config
 from horovod.common.process_sets import ProcessSet, global_process_set
@@ -23,12 +24,15 @@ __all__ = [
     "HorovodBasics", "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
     "cross_rank", "cross_size", "is_homogeneous", "mpi_threads_supported", "mpi_enabled", "mpi_built",
     "gloo_enabled", "gloo_built", "nccl_built", "ddl_built", "ccl_built", "cuda_built", "rocm_built",
-    "start_timeline", "stop_timeline", "engine", "Average", "Sum", "Adasum", "Min", "Max", "Product",
+    "start_timeline", "stop_timeline", "engine", "process_set_ranks", "Average", "Sum", "Adasum", "Min", "Max",
+    "Product",
 ]
 
 log = logging.getLogger(__name__)
 
-Average, Sum, Adasum, Min, Max, Product = 0, 1, 2, 3, 4, 5
+# Upstream's public constants (hvd.Average ...): the members of the one ReduceOp definition.
+Average, Sum, Adasum, Min, Max, Product = (ReduceOp.AVERAGE, ReduceOp.SUM, ReduceOp.ADASUM, ReduceOp.MIN,
+                                          ReduceOp.MAX, ReduceOp.PRODUCT)
 
 NOT_INITIALIZED = "Horovod has not been initialized; use hvd.init()."
 
@@ -267,9 +271,7 @@ def add_process_set(ps: ProcessSet) -> ProcessSet:
                          "initialization.")
     if ps.ranks is None:
         raise NotImplementedError("Adding process sets from mpi4py communicators needs the MPI controller.")
-    with e._sets_lock:
-        existing = list(e.process_sets.values())
-    if ps.process_set_id is not None or ps.ranks in existing:
+    if ps.process_set_id is not None or ps.ranks in e.set_table().values():
         raise ValueError(f"Attempted to add a duplicate process set: {ps}")
     with _lock:
         _dynamic_counter += 1
@@ -296,9 +298,18 @@ def remove_process_set(ps: ProcessSet) -> bool:
 
 
 def _get_process_set_ids_and_ranks() -> dict[int, list[int]]:
+    """Upstream's name: every registered process set's global ranks, by id."""
+    return engine().set_table()
+
+
+def process_set_ranks(process_set_id: int | None) -> list[int] | None:
+    """The global ranks of the registered process set ``process_set_id`` (None: not registered).
+
+    Adapters ask this rather than the engine: the set table changes when dynamic sets are added or removed.
+    Raises ValueError (upstream's text) before init.
+    """
     e = engine()
-    with e._sets_lock:
-        return {k: list(v) for k, v in e.process_sets.items()}
+    return None if process_set_id is None else e.set_ranks(process_set_id)
 
 
 class HorovodBasics:

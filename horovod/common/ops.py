@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from horovod.base.reduce_ops import ReduceOp
 from horovod.common import basics
 from horovod.common.naming import auto_name
 from horovod.common.process_sets import ProcessSet, global_process_set
@@ -40,8 +41,8 @@ def handle_average_backwards_compatibility(op: int | None, average: bool | None)
     if average is not None:
         warnings.warn("Parameter `average` has been replaced with `op` and will be removed in v1.0",
                       DeprecationWarning, stacklevel=3)
-        return basics.Average if average else basics.Sum
-    return basics.Average
+        return ReduceOp.AVERAGE if average else ReduceOp.SUM
+    return ReduceOp.AVERAGE
 
 
 def _set_id(process_set: ProcessSet, rtype: int) -> tuple[int, list[int]]:
@@ -64,21 +65,21 @@ def _enqueue(items: list[tuple[Request, np.ndarray | None, np.ndarray | None]]) 
     return basics.engine().enqueue(items)
 
 
-_PLAIN_OPS = frozenset((basics.Average, basics.Sum, basics.Min, basics.Max, basics.Product))
+_PLAIN_OPS = frozenset((ReduceOp.AVERAGE, ReduceOp.SUM, ReduceOp.MIN, ReduceOp.MAX, ReduceOp.PRODUCT))
 
 
 def _check_op(op: int, rtype: int) -> None:
     if op in _PLAIN_OPS and rtype != RequestType.REDUCESCATTER:
         return
-    if op == basics.Adasum:
+    if op == ReduceOp.ADASUM:
         raise NotImplementedError("The Adasum reduction is not supported by the built-in transport.")
-    if op not in (basics.Average, basics.Sum, basics.Min, basics.Max, basics.Product):
+    if op not in _PLAIN_OPS:
         raise ValueError(f"Unknown reduction op {op}")
-    if rtype == RequestType.REDUCESCATTER and op not in (basics.Average, basics.Sum):
+    if rtype == RequestType.REDUCESCATTER and op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
         raise ValueError("Reducescatter currently only supports AVERAGE and SUM.")
 
 
-def allreduce(tensor, output: np.ndarray | None = None, *, name: str | None = None, op: int = 0,
+def allreduce(tensor, output: np.ndarray | None = None, *, name: str | None = None, op: int = ReduceOp.AVERAGE,
               prescale_factor: float = 1.0, postscale_factor: float = 1.0,
               process_set: ProcessSet = global_process_set, wake: bool = True) -> Handle:
     """Enqueue an allreduce; ``output`` (may be ``tensor`` itself) receives the result in place.
@@ -100,7 +101,7 @@ def allreduce(tensor, output: np.ndarray | None = None, *, name: str | None = No
 
 
 def grouped_allreduce(tensors: Sequence, outputs: Sequence | None = None, *, name: str | None = None,
-                      op: int = 0, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                      op: int = ReduceOp.AVERAGE, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                       process_set: ProcessSet = global_process_set, _grouped: bool = True) -> list[Handle]:
     _check_op(op, RequestType.ALLREDUCE)
     ps_id, _ = _set_id(process_set, RequestType.ALLREDUCE)
@@ -175,14 +176,14 @@ def alltoall(tensor, splits=None, *, name: str | None = None,
     return _enqueue([(req, arr, None)])[0]
 
 
-def reducescatter(tensor, *, name: str | None = None, op: int = 0, prescale_factor: float = 1.0,
+def reducescatter(tensor, *, name: str | None = None, op: int = ReduceOp.AVERAGE, prescale_factor: float = 1.0,
                   postscale_factor: float = 1.0, process_set: ProcessSet = global_process_set) -> Handle:
     return grouped_reducescatter([tensor], name=name, op=op, prescale_factor=prescale_factor,
                                  postscale_factor=postscale_factor, process_set=process_set,
                                  _grouped=False)[0]
 
 
-def grouped_reducescatter(tensors: Sequence, *, name: str | None = None, op: int = 0,
+def grouped_reducescatter(tensors: Sequence, *, name: str | None = None, op: int = ReduceOp.AVERAGE,
                           prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                           process_set: ProcessSet = global_process_set, _grouped: bool = True) -> list[Handle]:
     _check_op(op, RequestType.REDUCESCATTER)

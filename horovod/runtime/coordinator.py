@@ -29,10 +29,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from horovod.base.reduce_ops import data_plane_op
 from horovod.runtime.messages import DTYPES, Request, RequestType, Response
 from horovod.runtime.scaling import scale_inplace, scaled_copy
 from horovod.runtime.validation import build_response
-from horovod.transport.communicator import ReduceOp, apply_reduce, reduce_into
+from horovod.transport.communicator import apply_reduce, reduce_into
 
 __all__ = ["Coordinator", "collective_failure"]
 
@@ -274,7 +275,7 @@ class Coordinator:
                 n *= d
             counts.append(n)
         total = sum(counts)
-        op = ReduceOp.SUM if response.reduce_op == 0 else ReduceOp(response.reduce_op)
+        op, post = data_plane_op(response.reduce_op, response.postscale, len(ranks))
 
         def contribution(rank: int) -> np.ndarray:
             if len(items) == 1:
@@ -300,7 +301,6 @@ class Coordinator:
                 scaled_copy(x, response.prescale, scratch)
                 x = scratch
             apply_reduce(op, acc, x)
-        post = response.postscale / len(ranks) if response.reduce_op == 0 else response.postscale
         scale_inplace(acc, post)
         response.data = acc
 

@@ -11,15 +11,15 @@ from collections.abc import Callable
 
 import numpy as np
 
+from horovod.base.reduce_ops import data_plane_op
 from horovod.common.exceptions import PreconditionError
 from horovod.runtime.messages import DTYPES, RequestType, Response
 from horovod.runtime.queue import TensorEntry, TensorQueue
 from horovod.runtime.scaling import scale_inplace, scaled_copy
-from horovod.transport.communicator import Communicator, ReduceOp
+from horovod.transport.communicator import Communicator
 
-__all__ = ["Executor", "AVERAGE", "CollectiveFailure"]
+__all__ = ["Executor", "CollectiveFailure"]
 
-AVERAGE = 0
 _ACTIVITY = {RequestType.ALLREDUCE: "GLOO_ALLREDUCE", RequestType.ALLGATHER: "GLOO_ALLGATHER",
              RequestType.BROADCAST: "GLOO_BCAST", RequestType.ALLTOALL: "MPI_ALLTOALL",
              RequestType.REDUCESCATTER: "GLOO_REDUCESCATTER"}
@@ -117,18 +117,12 @@ class Executor:
         return entries
 
     # ------------------------------------------------------------------ collectives
-    @staticmethod
-    def _reduce_op(resp: Response, set_size: int) -> tuple[ReduceOp, float]:
-        if resp.reduce_op == AVERAGE:
-            return ReduceOp.SUM, resp.postscale / set_size
-        return ReduceOp(resp.reduce_op), resp.postscale
-
     def _allreduce(self, comm: Communicator, resp: Response, entries: list[TensorEntry | None],
                    timeline) -> list[np.ndarray]:
         dtype = DTYPES[resp.dtype]
         if resp.data is not None:  # reduced by the coordinator
             return self._inline_results(resp, entries, dtype)
-        op, postscale = self._reduce_op(resp, comm.size)
+        op, postscale = data_plane_op(resp.reduce_op, resp.postscale, comm.size)
         act = timeline.begin if timeline is not None else None
         if len(entries) == 1:
             e = entries[0]
@@ -245,7 +239,7 @@ class Executor:
         rest = tuple(shape[1:])
         row = _numel(rest)
         rows = [shape[0] // n + (1 if j < shape[0] % n else 0) for j in range(n)]
-        op, postscale = self._reduce_op(resp, n)
+        op, postscale = data_plane_op(resp.reduce_op, resp.postscale, n)
         src = e.tensor.reshape(-1)
         if resp.prescale != 1.0:
             scaled = np.empty_like(src)

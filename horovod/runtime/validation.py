@@ -6,6 +6,7 @@ order; the first failure wins and becomes an ERROR response delivered to every m
 
 from __future__ import annotations
 
+from horovod.base.reduce_ops import ReduceOp
 from horovod.runtime.messages import OP_DISPLAY, Request, RequestType, Response, dtype_name
 
 __all__ = ["build_response", "shape_str"]
@@ -76,7 +77,7 @@ def build_response(requests: list[Request], member_ranks: list[int], joined: set
             return _error(first, names, "Reducescatter is not supported with Join at this time.")
         if len(first.shape) == 0:
             return _error(first, names, "Process-set rank zero tried to REDUCESCATTER a rank-zero tensor.")
-        if first.reduce_op not in (0, 1):  # Average or Sum
+        if first.reduce_op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
             return _error(first, names, "Reducescatter currently only supports AVERAGE and SUM.")
     if rtype == RequestType.BROADCAST:
         if joined_here:

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import numpy as np
 import tensorflow as tf
 
+from horovod.base.reduce_ops import data_plane_op
 from horovod.common import basics as _basics_mod
 from horovod.common import ops as _ops
 from horovod.common.basics import Adasum, Average, Max, Min, Product, Sum
@@ -56,13 +57,12 @@ def _core_name(prefix: str, tensor, name: str | None, ignore_name_scope: bool) -
 
 
 def _set_size(process_set: ProcessSet) -> int:
-    ranks = _basics_mod.engine().set_ranks(process_set.process_set_id) \
-        if process_set.process_set_id is not None else None
+    ranks = _basics_mod.process_set_ranks(process_set.process_set_id)
     return len(ranks) if ranks else _basics_mod.size()
 
 
 def _set_rank(process_set: ProcessSet) -> int:
-    ranks = _basics_mod.engine().set_ranks(process_set.process_set_id) or []
+    ranks = _basics_mod.process_set_ranks(process_set.process_set_id) or []
     me = _basics_mod.rank()
     return ranks.index(me) if me in ranks else 0
 
@@ -190,8 +190,9 @@ def allreduce(tensor, average: bool | None = None, device_dense: str = "", devic
                            process_set=process_set, ignore_name_scope=ignore_name_scope)
         indices = allgather(tensor.indices, name=None if base is None else base + "_indices",
                             process_set=process_set, ignore_name_scope=ignore_name_scope)
-        if op == Average:
-            values = values / tf.cast(_set_size(process_set), values.dtype)
+        _, post = data_plane_op(op, 1.0, _set_size(process_set))  # Average: Sum, then / size
+        if post != 1.0:
+            values = values * tf.cast(post, values.dtype)
         return tf.IndexedSlices(values, indices, dense_shape=tensor.dense_shape)
     if op == Adasum:
         raise NotImplementedError("The Adasum reduction is not supported by the built-in transport.")
@@ -533,7 +534,7 @@ def _int_op(fn, name: str | None) -> tf.Tensor:
 @_plain
 def size_op(process_set_id: int = 0, name: str | None = None) -> tf.Tensor:
     """Number of ranks in the process set, evaluated when the graph runs."""
-    return _int_op(lambda: len(_basics_mod.engine().set_ranks(process_set_id) or []), name)
+    return _int_op(lambda: len(_basics_mod.process_set_ranks(process_set_id) or []), name)
 
 
 @_plain
@@ -553,5 +554,5 @@ def local_rank_op(name: str | None = None) -> tf.Tensor:
 
 @_plain
 def process_set_included_op(process_set_id: int = 0, name: str | None = None) -> tf.Tensor:
-    return _int_op(lambda: int(_basics_mod.rank() in (_basics_mod.engine().set_ranks(process_set_id) or [])),
+    return _int_op(lambda: int(_basics_mod.rank() in (_basics_mod.process_set_ranks(process_set_id) or [])),
                    name)

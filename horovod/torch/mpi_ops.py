@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from horovod.base.reduce_ops import data_plane_op
 from horovod.common import basics
 from horovod.common import ops as _ops
 from horovod.common.basics import Adasum, Average, Max, Min, Product, Sum
@@ -480,8 +481,9 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str, op: int,
     # allgather concatenates along dim 0, so send the indices transposed (one row per non-zero)
     indices = allgather_async(t.indices().t().contiguous(), name=f"{name}.indices", process_set=process_set)
     values = t.values()
-    if op == Average:
-        values = values / process_set.size()
+    _, post = data_plane_op(op, 1.0, process_set.size())  # Average: Sum, then / size
+    if post != 1.0:
+        values = values * post
     values_handle = allgather_async(values.contiguous(), name=f"{name}.values", process_set=process_set)
 
     def wait() -> torch.Tensor:

@@ -14,20 +14,12 @@ collective has a deadline (``op_timeout``); a peer that disappears or times out 
 from __future__ import annotations
 
 import abc
-import enum
 
 import numpy as np
 
+from horovod.base.reduce_ops import ReduceOp
+
 __all__ = ["ReduceOp", "Communicator", "PeerFailure", "apply_reduce", "reduce_into"]
-
-
-class ReduceOp(enum.IntEnum):
-    """Element-wise reductions the data plane performs (Average is Sum plus scaling in the runtime)."""
-
-    SUM = 1
-    MIN = 3
-    MAX = 4
-    PRODUCT = 5
 
 
 _UFUNCS = {ReduceOp.SUM: np.add, ReduceOp.MIN: np.minimum, ReduceOp.MAX: np.maximum,
@@ -37,7 +29,10 @@ _BOOL_UFUNCS = {ReduceOp.SUM: np.logical_or, ReduceOp.MIN: np.logical_and, Reduc
 
 
 def apply_reduce(op: ReduceOp, acc: np.ndarray, other: np.ndarray) -> None:
-    """``acc = acc <op> other`` in place, with numpy's dtype rules (bool: or/and)."""
+    """``acc = acc <op> other`` in place, with numpy's dtype rules (bool: or/and).
+
+    ``op`` is an element-wise op (SUM, MIN, MAX, PRODUCT); the runtime turns Average into Sum with
+    :func:`horovod.base.reduce_ops.data_plane_op`."""
     table = _BOOL_UFUNCS if acc.dtype == np.bool_ else _UFUNCS
     table[op](acc, other, out=acc)
 

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 import tensorflow as tf
 
+from horovod.base.reduce_ops import predivide_scales
 from horovod.common import basics as _basics
 from horovod.common.process_sets import ProcessSet, global_process_set
 from horovod.tensorflow.compression import Compression
@@ -70,14 +71,11 @@ class GradientReducer:
         return _key(var) in self._local_refs
 
     def _set_size(self) -> int:
-        ps = self.process_set
-        ranks = _basics.engine().set_ranks(ps.process_set_id) if ps.process_set_id is not None else None
+        ranks = _basics.process_set_ranks(self.process_set.process_set_id)
         return len(ranks) if ranks else 1
 
     def _scales(self) -> tuple[float, float]:
-        if self.op == Average:
-            return 1.0 / self.predivide, self.predivide
-        return 1.0, 1.0
+        return predivide_scales(self.op, self.predivide)
 
     def reduce(self, grads: Sequence, variables: Sequence | None = None, *,
                use_generic_names: bool = False) -> list:

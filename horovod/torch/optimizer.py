@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from horovod.base.reduce_ops import predivide_scales
 from horovod.common import basics
 from horovod.common.basics import Adasum, Average
 from horovod.common.config import read_env
@@ -226,10 +227,7 @@ class _DistributedOptimizer:
         for p in params:
             if p.grad is None:  # no gradient on this rank (unused parameter): contribute zeros
                 p.grad = torch.zeros_like(p, memory_format=torch.contiguous_format)
-        if self.op == Average:
-            prescale, postscale = 1.0 / self.gradient_predivide_factor, self.gradient_predivide_factor
-        else:
-            prescale = postscale = 1.0
+        prescale, postscale = predivide_scales(self.op, self.gradient_predivide_factor)
         first = params[0]
         if group_id is None and first.grad.is_sparse and not self.sparse_as_dense:
             handle = sparse_allreduce_async(first.grad, self._parameter_names[first], self.op, self.process_set)

@@ -28,36 +28,21 @@ RESULT = "RESULT "
 def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
-    import torch.nn as nn
     import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel
-    from torch_training import gloo_beside_horovod  # benchmarks/ is sys.path[0]
+    from torch_training import ManyTensors, gloo_beside_horovod  # benchmarks/ is sys.path[0]
 
     import horovod.torch as hvd
     from horovod.common import basics
-
-    class Net(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.inp = nn.Linear(64, 256)
-            self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(256, 256), nn.LayerNorm(256))
-                                         for _ in range(40)])
-            self.out = nn.Linear(256, 10)
-
-        def forward(self, x):
-            x = F.relu(self.inp(x))
-            for block in self.blocks:
-                x = F.relu(block(x))
-            return self.out(x)
 
     torch.set_num_threads(1)
     hvd.init()
     gloo_beside_horovod(hvd)
     torch.manual_seed(0)
-    ddp = DistributedDataParallel(Net())
+    ddp = DistributedDataParallel(ManyTensors())
     ddp_opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
     torch.manual_seed(0)
-    model = Net()
+    model = ManyTensors()
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
                                    named_parameters=model.named_parameters())
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)

@@ -24,7 +24,7 @@ def run(func: Callable[..., Any], args: Sequence[Any] = (), kwargs: dict[str, An
         use_mpi: bool | None = None, mpi_args: str | None = None, network_interface: str | None = None,
         network_interfaces: Sequence[str] | None = None, executable: str | None = None,
         np: int | None = None, min_np: int | None = None, max_np: int | None = None,
-        prefix_output_with_timestamp: bool = False) -> list[Any]:
+        prefix_output_with_timestamp: bool = False, **knobs: Any) -> list[Any]:
     """Run ``func(*args, **kwargs)`` on ``np`` processes and return the results, indexed by rank.
 
     The launcher starts a rendezvous store, puts ``cloudpickle((func, args, kwargs))`` into it and starts
@@ -33,16 +33,23 @@ def run(func: Callable[..., Any], args: Sequence[Any] = (), kwargs: dict[str, An
     only through that store, which refuses every request not signed with the per-job key, so no other
     process can read or replace them.
 
+    ``**knobs`` are the runtime knobs of ``horovodrun``'s flags, named like the flags' destinations and
+    generated from the same table (:data:`horovod.common.config.KNOBS`): ``fusion_threshold_mb=32``,
+    ``cycle_time_ms=2.5``, ``timeline_filename="t.json"``, ``log_level="debug"``, ``tls=True`` ...
+
     Example::
 
         import horovod
         horovod.run(lambda: __import__("os").environ["HOROVOD_RANK"], np=2)   # ['0', '1']
 
     Raises:
-        ValueError: conflicting arguments (upstream's texts).
+        TypeError: an argument that is neither one of the above nor a knob.
+        ValueError: conflicting arguments (upstream's texts) or a knob value the knob cannot take.
         RuntimeError: a worker failed; the message names the first failed rank and its exit code.
     """
-    from horovod.runner.launch import make_parser
+    from horovod.runner.job import JobSpec, split_nics
+    from horovod.runner.knobs import knobs_from_kwargs
+    from horovod.runner.launch import _run
 
     if num_proc is not None:
         warnings.warn("num_proc is deprecated, use np", DeprecationWarning, stacklevel=2)
@@ -57,32 +64,17 @@ def run(func: Callable[..., Any], args: Sequence[Any] = (), kwargs: dict[str, An
         raise ValueError("Argument hosts and hostfile only allow one provided.")
     if use_gloo and use_mpi:
         raise ValueError("Argument use_gloo and use_mpi only allow one set True.")
-    nics = list(network_interfaces or [])
-    if network_interface:
-        nics.append(network_interface)
+    nics = split_nics([*(network_interfaces or []), *([network_interface] if network_interface else [])])
 
-    args_ns = make_parser().parse_args([])
-    args_ns.num_proc = 1 if np is None else np
-    args_ns.min_num_proc, args_ns.max_num_proc = min_np, max_np
-    args_ns.slots, args_ns.reset_limit, args_ns.cooldown_range = slots, reset_limit, cooldown_range
-    args_ns.hosts, args_ns.hostfile, args_ns.host_discovery_script = hosts, hostfile, host_discovery_script
-    args_ns.start_timeout = start_timeout
-    args_ns.ssh_port, args_ns.ssh_identity_file = ssh_port, ssh_identity_file
-    args_ns.disable_cache = bool(disable_cache)
-    args_ns.output_filename = output_filename
-    args_ns.verbose = bool(verbose)
-    args_ns.use_gloo, args_ns.use_mpi = bool(use_gloo), bool(use_mpi)
-    args_ns.mpi_args = mpi_args
-    args_ns.nics = nics or None
-    args_ns.prefix_output_with_timestamp = prefix_output_with_timestamp
-    args_ns.run_func = (func, tuple(args), dict(kwargs or {}))
-    args_ns.executable = executable
-    args_ns.command = []
-    args_ns.env = _worker_base_env()
-
-    from horovod.runner.launch import _run
-
-    result = _run(args_ns)
+    job = JobSpec(
+        num_proc=1 if np is None else np, min_num_proc=min_np, max_num_proc=max_np, slots=slots,
+        reset_limit=reset_limit, cooldown_range=cooldown_range, hosts=hosts, hostfile=hostfile,
+        host_discovery_script=host_discovery_script, start_timeout=start_timeout, ssh_port=ssh_port,
+        ssh_identity_file=ssh_identity_file, disable_cache=bool(disable_cache), output_filename=output_filename,
+        verbose=bool(verbose), use_gloo=bool(use_gloo), use_mpi=bool(use_mpi), mpi_args=mpi_args, nics=nics,
+        prefix_output_with_timestamp=prefix_output_with_timestamp, knobs=knobs_from_kwargs(knobs),
+        run_func=(func, tuple(args), dict(kwargs or {})), executable=executable, env=_worker_base_env())
+    result = _run(job)
     assert result is not None
     return result
 

@@ -9,26 +9,20 @@ from __future__ import annotations
 import argparse
 import logging
 import math
-import os
 from collections.abc import Mapping
 from typing import Any
 
 from horovod.common.config import KNOBS, LOG_LEVELS, EnvVarError, Knob, parse_bool, read_runtime_config
 
-__all__ = ["add_knob_arguments", "knob_dest", "apply_config_file", "load_config_file", "knob_env",
-           "validate_knob_args", "LOG_LEVELS"]
+__all__ = ["add_knob_arguments", "argument_group", "knob_dest", "knobs_from_args", "knobs_from_kwargs",
+           "apply_config_file", "load_config_file", "knob_env", "validate_knobs", "LOG_LEVELS"]
 
 logger = logging.getLogger(__name__)
 
-# Config-file keys that mean the opposite of a knob's flag (upstream's YAML says "enabled").
-_INVERTED_YAML = {"stall_check.enabled": "stall_check_disable", "logging.with_timestamp": "log_hide_time"}
-
-# Knob flags upstream spells with extra aliases or choices.
-_EXTRA_ARGPARSE: dict[str, dict[str, Any]] = {
-    "log_level": {"choices": LOG_LEVELS, "type": str.upper},
-}
 KNOB_BY_ENV: dict[str, Knob] = {k.env: k for k in KNOBS}
-_HIDDEN_OPPOSITES = {"stall_check_disable": "--stall-check", "log_hide_time": "--log-with-timestamp"}
+
+# argparse group of a knob: its config-file section, in upstream's titles.
+_GROUP_TITLES = {"params": "tuneable parameter arguments", "library_options": "library arguments"}
 
 # Knobs whose negative values make no sense (upstream's ``'<arg>=<v> must be >= 0'``).
 _NONNEGATIVE_TYPES = (int, float)
@@ -61,52 +55,89 @@ def add_knob_arguments(parser: argparse.ArgumentParser) -> None:
     Every dest defaults to None so that "not given" is distinguishable from "given": the config file fills
     only the former, and only given values are exported.
     """
-    groups: dict[str, argparse._ArgumentGroup] = {}
     for knob in _flag_knobs():
-        section = (knob.yaml or "params.").split(".", 1)[0]
-        title = {"params": "tuneable parameter arguments", "timeline": "timeline arguments",
-                 "stall_check": "stall check arguments", "logging": "logging arguments",
-                 "library_options": "library arguments"}.get(section, "tuneable parameter arguments")
-        group = groups.get(title) or groups.setdefault(title, parser.add_argument_group(title))
+        assert knob.flag is not None
+        section = (knob.yaml or knob.yaml_off or "params.").split(".", 1)[0]
+        group = argument_group(parser, _GROUP_TITLES.get(section, f"{section.replace('_', ' ')} arguments"))
         dest = knob_dest(knob)
+        kwargs: dict[str, Any]
         if knob.flag_type is bool and knob.default is None:
             # Tri-state (force on / force off / automatic): --x and --no-x.
-            group.add_argument(knob.flag, dest=dest, action=argparse.BooleanOptionalAction, default=None,
-                               help=knob.help)
+            kwargs = {"action": argparse.BooleanOptionalAction}
         elif knob.flag_type is bool:
-            group.add_argument(knob.flag, dest=dest, action="store_true", default=None, help=knob.help)
-            if knob.name in _HIDDEN_OPPOSITES:
-                group.add_argument(_HIDDEN_OPPOSITES[knob.name], dest=dest, action="store_false",
-                                   default=None, help=argparse.SUPPRESS)
+            kwargs = {"action": "store_true"}
+        elif knob.choices:
+            kwargs = {"type": _choice_type(knob.choices), "choices": knob.choices}
         else:
-            kwargs: dict[str, Any] = {"type": finite_float if knob.flag_type is float else knob.flag_type or str}
-            kwargs.update(_EXTRA_ARGPARSE.get(knob.name, {}))
-            group.add_argument(knob.flag, dest=dest, default=None, help=knob.help, **kwargs)
+            kwargs = {"type": finite_float if knob.flag_type is float else knob.flag_type or str}
+        group.add_argument(knob.flag, dest=dest, default=None, help=knob.help, **kwargs)
+        for alias in knob.flag_aliases:
+            group.add_argument(alias, dest=dest, default=None, help=argparse.SUPPRESS, **kwargs)
+        if knob.flag_off:
+            group.add_argument(knob.flag_off, dest=dest, action="store_false", default=None, help=argparse.SUPPRESS)
 
 
-def validate_knob_args(args: argparse.Namespace) -> None:
+def argument_group(parser: argparse.ArgumentParser, title: str) -> argparse._ArgumentGroup:
+    """The group of ``parser`` titled ``title``, made if there is none (knob and other flags share groups)."""
+    for group in parser._action_groups:
+        if group.title == title:
+            return group
+    return parser.add_argument_group(title)
+
+
+def _choice_type(choices: tuple[str, ...]) -> Any:
+    """argparse type of a text flag with choices: any case, returned as spelled in ``choices``."""
+    def convert(text: str) -> str:
+        return next((c for c in choices if c.lower() == text.lower()), text)
+    return convert
+
+
+def knobs_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The knob values given on the command line (``add_knob_arguments``' dests), keyed by knob name."""
+    values = {}
+    for knob in _flag_knobs():
+        value = getattr(args, knob_dest(knob), None)
+        if value is not None:
+            values[knob.name] = value
+    return values
+
+
+def knobs_from_kwargs(kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """``horovod.run(**knobs)``: keyword arguments named like the flags' dests (``fusion_threshold_mb=32``,
+    ``timeline_filename=...``), each checked and converted as a config-file value is; None means not given.
+
+    Raises:
+        TypeError: a name that is no knob's (the text lists the known names).
+        ValueError: a value the knob cannot take.
+    """
+    by_dest = {knob_dest(k): k for k in _flag_knobs()}
+    unknown = sorted(set(kwargs) - set(by_dest))
+    if unknown:
+        raise TypeError(f"run() got unexpected keyword argument(s) {', '.join(unknown)}; the knob arguments are "
+                        f"{', '.join(sorted(by_dest))}")
+    return {by_dest[dest].name: _coerce(by_dest[dest], value, f"{dest}")
+            for dest, value in kwargs.items() if value is not None}
+
+
+def validate_knobs(values: Mapping[str, Any], base_env: Mapping[str, str]) -> None:
     """Check every knob the workers will see before any of them starts.
 
-    Negative flag values raise upstream's ``ValueError('<arg>=<v> must be >= 0')``; then the knobs of the
-    workers' environment (the launcher's, or ``horovod.run``'s, with the flags applied) are parsed as
-    ``hvd.init()`` will parse them, so ``HOROVOD_STALL_SHUTDOWN_TIME_SECONDS=5min`` fails here, naming the
+    ``values``: the knobs given (name → flag value).  Negative values raise upstream's
+    ``ValueError('<arg>=<v> must be >= 0')``; then ``base_env`` with ``values`` applied is parsed as
+    ``hvd.init()`` will parse it, so ``HOROVOD_STALL_SHUTDOWN_TIME_SECONDS=5min`` fails here, naming the
     variable, instead of in every worker.
     """
     for knob in _flag_knobs():
-        if knob.flag_type in _NONNEGATIVE_TYPES:
-            dest = knob_dest(knob)
-            value = getattr(args, dest, None)
-            if value is not None and value < 0:
-                raise ValueError(f"{dest}={value} must be >= 0")
-    given = knob_env(args)
-    env = dict(args.env if getattr(args, "env", None) is not None else os.environ)
-    env.update(given)
+        value = values.get(knob.name)
+        if knob.flag_type in _NONNEGATIVE_TYPES and value is not None and value < 0:
+            raise ValueError(f"{knob_dest(knob)}={value} must be >= 0")
+    given = knob_env(values)
     try:
-        read_runtime_config(env)
+        read_runtime_config({**base_env, **given})
     except EnvVarError as e:
         knob = KNOB_BY_ENV.get(e.name)
         if knob is not None and knob.flag and knob.env in given:  # the bad value came from a flag
-            raise ValueError(f"{knob.flag} {getattr(args, knob_dest(knob))}: {e}") from None
+            raise ValueError(f"{knob.flag} {values[knob.name]}: {e}") from None
         raise
 
 
@@ -176,44 +207,44 @@ def _lookup(config: Mapping[str, Any], dotted: str) -> tuple[bool, Any]:
     return True, node
 
 
-def apply_config_file(args: argparse.Namespace, config: Mapping[str, Any]) -> None:
-    """Fill knob flags not given on the command line from ``config``: explicit CLI flags win.
+def apply_config_file(values: dict[str, Any], config: Mapping[str, Any]) -> str | None:
+    """Fill the knobs not given on the command line (``values``, name → value) from ``config``: explicit
+    flags win.
 
-    Also applies ``controller: gloo|mpi`` to ``args.use_gloo``/``args.use_mpi`` when neither was given.
+    Returns:
+        The file's ``controller`` (``"gloo"`` or ``"mpi"``), or None when it names none.
     """
-    by_name = {k.name: k for k in _flag_knobs()}
-    for knob in by_name.values():
-        dest = knob_dest(knob)
-        if getattr(args, dest, None) is not None or not knob.yaml:
+    for knob in _flag_knobs():
+        if knob.name in values or not knob.yaml:
             continue
         found, value = _lookup(config, knob.yaml)
         if found and value is not None:
-            setattr(args, dest, _coerce(knob, value))
-    for dotted, name in _INVERTED_YAML.items():
-        knob = by_name.get(name)
-        if knob is None or getattr(args, knob_dest(knob), None) is not None:
+            values[knob.name] = _coerce(knob, value)
+    for knob in _flag_knobs():
+        if knob.name in values or not knob.yaml_off:
             continue
-        found, value = _lookup(config, dotted)
+        found, value = _lookup(config, knob.yaml_off)
         if found and value is not None:
-            setattr(args, knob_dest(knob), not bool(value))
+            values[knob.name] = not _coerce(knob, value, f"config file: {knob.yaml_off}")
     controller = config.get("controller")
-    if controller and not getattr(args, "use_gloo", False) and not getattr(args, "use_mpi", False):
-        controller = str(controller).lower()
-        if controller not in ("gloo", "mpi"):
-            raise ValueError(f"config file: controller must be 'gloo' or 'mpi', got {controller!r}")
-        setattr(args, "use_gloo" if controller == "gloo" else "use_mpi", True)
+    if not controller:
+        return None
+    controller = str(controller).lower()
+    if controller not in ("gloo", "mpi"):
+        raise ValueError(f"config file: controller must be 'gloo' or 'mpi', got {controller!r}")
+    return controller
 
 
-def _coerce(knob: Knob, value: Any) -> Any:
-    """A config-file value as the flag's type; a value of the wrong kind names the key (never a bare error)."""
-    key = f"config file: {knob.yaml}"
+def _coerce(knob: Knob, value: Any, key: str | None = None) -> Any:
+    """A config-file (or ``run()``) value as the flag's type; a value of the wrong kind names the key."""
+    key = key or f"config file: {knob.yaml}"
     if knob.flag_type is bool:
         return value if isinstance(value, bool) else parse_bool(key, str(value))
-    if knob.name == "log_level":
-        level = str(value).upper()
-        if level not in LOG_LEVELS:
-            raise ValueError(f"{key}={value!r} is not one of {', '.join(LOG_LEVELS)}")
-        return level
+    if knob.choices:
+        choice = _choice_type(knob.choices)(str(value))
+        if choice not in knob.choices:
+            raise ValueError(f"{key}={value!r} is not one of {', '.join(knob.choices)}")
+        return choice
     if knob.flag_type in (int, float):
         if isinstance(value, bool):
             raise ValueError(f"{key}={value!r} is not a number")
@@ -230,11 +261,7 @@ def _coerce(knob: Knob, value: Any) -> Any:
     return (knob.flag_type or str)(value)
 
 
-def knob_env(args: argparse.Namespace) -> dict[str, str]:
-    """The env variables for every knob that was given (flag or config file)."""
-    env = {}
-    for knob in _flag_knobs():
-        value = getattr(args, knob_dest(knob), None)
-        if value is not None:
-            env[knob.env] = knob.flag_to_env(value)
-    return env
+def knob_env(values: Mapping[str, Any]) -> dict[str, str]:
+    """The variables of the knobs given in ``values`` (name → flag value), e.g. MB → bytes."""
+    return {knob.env: knob.flag_to_env(values[knob.name]) for knob in _flag_knobs()
+            if values.get(knob.name) is not None}

@@ -14,6 +14,7 @@ next to the job key (over ssh: on the remote watchdog's stdin).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import shlex
@@ -29,8 +30,11 @@ from horovod.common import config as config_mod
 from horovod.common.config import DEFAULT_START_TIMEOUT
 from horovod.runner import hosts as hosts_mod
 from horovod.runner import knobs as knobs_mod
+from horovod.runner.job import JobSpec, split_nics
+from horovod.runner.worker_env import launcher_env, worker_env
 
-__all__ = ["run_commandline", "parse_args", "make_parser", "_run", "worker_env", "DEFAULT_START_TIMEOUT"]
+__all__ = ["run_commandline", "parse_args", "make_parser", "job_from_args", "_run", "worker_env", "JobSpec",
+           "DEFAULT_START_TIMEOUT"]
 
 logger = logging.getLogger(__name__)
 
@@ -47,14 +51,13 @@ def make_parser() -> argparse.ArgumentParser:
                         help="Shows Horovod version.")
 
     parser.add_argument("-np", "--num-proc", dest="num_proc", type=int,
-                                 help="Total number of training processes.")
+                        help="Total number of training processes.")
     parser.add_argument("-cb", "--check-build", action="store_true", dest="check_build",
                         help="Show which frameworks and libraries are available to Horovod.")
     parser.add_argument("--disable-cache", action="store_true", dest="disable_cache",
                         help="Do not cache host checks (accepted; there is no cache for local jobs).")
     parser.add_argument("--start-timeout", type=int, dest="start_timeout",
-                        help="Seconds workers may take to meet at the rendezvous store "
-                             "(default: HOROVOD_START_TIMEOUT or 30).")
+                        help=_env_help("HOROVOD_START_TIMEOUT"))
     parser.add_argument("--network-interfaces", "--network-interface", action="append", dest="nics",
                         help="Network interface(s) for communication (repeatable; comma lists accepted).")
     parser.add_argument("--output-filename", dest="output_filename",
@@ -70,24 +73,31 @@ def make_parser() -> argparse.ArgumentParser:
 
     knobs_mod.add_knob_arguments(parser)
 
-    library = parser.add_argument_group("library arguments")
+    library = knobs_mod.argument_group(parser, "library arguments")
     library.add_argument("--mpi-args", dest="mpi_args", help="Extra arguments for mpirun.")
-    library.add_argument("--tcp", action="store_true", dest="tcp_flag",
+    library.add_argument("--tcp", action="store_true", dest="tcp",
                          help="Use TCP only between hosts (sets NCCL_IB_DISABLE=1).")
     library.add_argument("--binding-args", dest="binding_args", help="Process binding arguments (mpirun).")
 
-    logging_group = parser.add_argument_group("logging arguments")
+    logging_group = knobs_mod.argument_group(parser, "logging arguments")
     logging_group.add_argument("-prefix-timestamp", "--prefix-output-with-timestamp", action="store_true",
                                dest="prefix_output_with_timestamp",
                                help="Prefix every output line with the time.")
 
-    elastic = parser.add_argument_group("elastic arguments (not supported yet)")
-    elastic.add_argument("--min-np", "--min-num-proc", type=int, dest="min_num_proc")
-    elastic.add_argument("--max-np", "--max-num-proc", type=int, dest="max_num_proc")
-    elastic.add_argument("--slots-per-host", "--slots", type=int, dest="slots")
-    elastic.add_argument("--elastic-timeout", type=int, dest="elastic_timeout")
-    elastic.add_argument("--reset-limit", type=int, dest="reset_limit")
-    elastic.add_argument("--blacklist-cooldown-range", type=int, nargs=2, dest="cooldown_range")
+    elastic = parser.add_argument_group("elastic arguments")
+    elastic.add_argument("--min-np", "--min-num-proc", type=int, dest="min_num_proc",
+                         help="Fewest processes the job runs with (default: -np); makes the job elastic.")
+    elastic.add_argument("--max-np", "--max-num-proc", type=int, dest="max_num_proc",
+                         help="Most processes the job grows to (default: no limit); makes the job elastic.")
+    elastic.add_argument("--slots-per-host", "--slots", type=int, dest="slots",
+                         help="Slots of a host the discovery script names without ':<slots>'.")
+    elastic.add_argument("--elastic-timeout", type=int, dest="elastic_timeout",
+                         help=_env_help("HOROVOD_ELASTIC_TIMEOUT"))
+    elastic.add_argument("--reset-limit", type=int, dest="reset_limit",
+                         help="Most resets before the job fails (default: no limit).")
+    elastic.add_argument("--blacklist-cooldown-range", type=int, nargs=2, dest="cooldown_range",
+                         metavar=("MIN", "MAX"),
+                         help="Seconds a failed host stays blacklisted (backs off from MIN to MAX; default: forever).")
 
     host_group = parser.add_argument_group("host arguments")
     hosts_ex = host_group.add_mutually_exclusive_group()
@@ -96,7 +106,8 @@ def make_parser() -> argparse.ArgumentParser:
     hosts_ex.add_argument("-hostfile", "--hostfile", dest="hostfile",
                           help="File of '<hostname> slots=<n>' lines.")
     hosts_ex.add_argument("--host-discovery-script", dest="host_discovery_script",
-                          help="Elastic host discovery script (not supported yet).")
+                          help="Script printing the available hosts ('host' or 'host:slots' lines); makes the "
+                               "job elastic.")
 
     controller = parser.add_argument_group("controller arguments")
     controller_ex = controller.add_mutually_exclusive_group()
@@ -104,115 +115,42 @@ def make_parser() -> argparse.ArgumentParser:
                                help="Use the built-in transport (Horovod's Gloo controller).")
     controller_ex.add_argument("--mpi", action="store_true", dest="use_mpi", help="Launch with mpirun.")
     controller_ex.add_argument("--jsrun", action="store_true", dest="use_jsrun",
-                               help="Launch with jsrun (LSF; not supported).")
+                               help="Launch with jsrun (LSF; refused: use --gloo or --mpi).")
     return parser
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """Parse ``horovodrun`` arguments and apply ``--config-file`` (explicit flags win)."""
-    args = make_parser().parse_args(argv)
+def _env_help(name: str) -> str:
+    """Help text of a flag whose default is a registered variable's (the default written once, in config)."""
+    var = config_mod.ENV_VARS[name]
+    return f"{var.help[:1].upper()}{var.help[1:]} (default: {name} or {config_mod.format_number(var.default)})."
+
+
+# The parser's dests that are JobSpec fields of the same name.
+_JOB_FIELDS = tuple(f.name for f in dataclasses.fields(JobSpec)
+                    if f.name not in ("knobs", "nics", "cooldown_range", "run_func", "executable", "env"))
+
+
+def job_from_args(args: argparse.Namespace) -> JobSpec:
+    """The :class:`JobSpec` of parsed ``horovodrun`` arguments, with ``--config-file`` applied (flags win)."""
+    job = JobSpec(**{name: getattr(args, name) for name in _JOB_FIELDS},
+                  knobs=knobs_mod.knobs_from_args(args), nics=split_nics(args.nics),
+                  cooldown_range=tuple(args.cooldown_range) if args.cooldown_range else None)
     if args.config_file:
-        knobs_mod.apply_config_file(args, knobs_mod.load_config_file(args.config_file))
-    args.run_func = None
-    args.executable = None
-    args.env = None
-    return args
+        controller = knobs_mod.apply_config_file(job.knobs, knobs_mod.load_config_file(args.config_file))
+        if controller and not (job.use_gloo or job.use_mpi):
+            setattr(job, f"use_{controller}", True)
+    return job
 
 
-def _validate(args: argparse.Namespace) -> None:
-    knobs_mod.validate_knob_args(args)
-    for dest in ("num_proc", "start_timeout", "ssh_port"):
-        value = getattr(args, dest, None)
-        if value is not None and value < 0:
-            raise ValueError(f"{dest}={value} must be >= 0")
-    if args.start_timeout == 0:
-        raise ValueError("start_timeout=0 must be > 0 (seconds the workers may take to meet)")
-    if args.host_discovery_script or args.min_num_proc is not None or args.max_num_proc is not None:
-        raise ValueError("Elastic mode (--host-discovery-script, --min-np, --max-np) is not supported yet.")
-    if getattr(args, "use_jsrun", False):
-        raise ValueError("--jsrun is not supported; use --gloo or --mpi.")
-    if not args.num_proc:
-        raise ValueError("-np/--num-proc is required and must be at least 1 (or use --check-build).")
-    if not args.command and args.run_func is None:
-        raise ValueError("No command given: horovodrun -np N <command> [args...]")
+def parse_args(argv: Sequence[str] | None = None) -> JobSpec:
+    """Parse ``horovodrun`` arguments into the job they describe (``--config-file`` applied)."""
+    return job_from_args(make_parser().parse_args(argv))
 
 
-def _start_timeout(args: argparse.Namespace) -> float:
-    """``--start-timeout``, else ``HOROVOD_START_TIMEOUT`` of the workers' environment, else the default."""
-    if args.start_timeout is not None:
-        return args.start_timeout
-    return config_mod.start_timeout(args.env if getattr(args, "env", None) is not None else None)
+def _run(job: JobSpec, stop_event: threading.Event | None = None) -> list[Any] | None:
+    """Run ``job`` (from :func:`parse_args` or ``horovod.run``).
 
-
-def _resolve_hosts(args: argparse.Namespace) -> list[hosts_mod.HostInfo]:
-    if args.hostfile:
-        spec = hosts_mod.parse_host_files(args.hostfile)
-    elif args.hosts:
-        spec = args.hosts
-    else:
-        spec = f"localhost:{args.num_proc}"
-    return hosts_mod.parse_hosts(spec)
-
-
-def _nics(args: argparse.Namespace) -> list[str]:
-    return [n for item in (args.nics or []) for n in item.split(",") if n]
-
-
-def worker_env(slot: hosts_mod.SlotInfo, *, base: dict[str, str], store_addr: str, store_port: int,
-               key: bytes, knobs: dict[str, str], start_timeout: float, nics: Sequence[str] = (),
-               tcp: bool = False, tls: Any = None) -> dict[str, str]:
-    """The complete environment of one worker (the launcher → worker contract).
-
-    ``tls``: the job's :class:`horovod.transport.tls.JobCredentials` (``--tls``), else None.
-    """
-    from horovod.transport import tls as tls_mod
-
-    env = dict(base)
-    for name in ("_HOROVOD_SECRET_KEY", tls_mod.CERT_ENV, tls_mod.KEY_ENV):  # only the launcher's own
-        env.pop(name, None)
-    env.update(knobs)
-    env.update(slot.to_env())
-    env.update({
-        "HOROVOD_GLOO_RENDEZVOUS_ADDR": store_addr,
-        "HOROVOD_GLOO_RENDEZVOUS_PORT": str(store_port),
-        "HOROVOD_CONTROLLER": "gloo",
-        "HOROVOD_CPU_OPERATIONS": "gloo",
-        "HOROVOD_START_TIMEOUT": config_mod.format_number(start_timeout),
-        "PYTHONUNBUFFERED": "1",
-        auth.SECRET_KEY_ENV: key.hex(),
-    })
-    if nics:
-        env["HOROVOD_GLOO_IFACE"] = nics[0]
-        env["NCCL_SOCKET_IFNAME"] = ",".join(nics)
-    if tcp:
-        env["NCCL_IB_DISABLE"] = "1"
-    if tls is not None:
-        env.update(tls_mod.worker_env(tls))
-    return env
-
-
-def tls_requested(args: argparse.Namespace, knobs: dict[str, str]) -> bool:
-    """``--tls`` or ``HOROVOD_TLS`` in the workers' environment (``horovod.run``: its ``env``)."""
-    env = dict(args.env if getattr(args, "env", None) is not None else os.environ)
-    env.update(knobs)
-    return bool(config_mod.read_env("HOROVOD_TLS", env))
-
-
-def _command(args: argparse.Namespace) -> str | list[str]:
-    # The argv runs directly (what upstream's /bin/sh -c of the quoted words amounts to).  A single word
-    # with spaces (`horovodrun -np 2 "python a.py | tee x"`) is a shell line and runs via /bin/sh -c.
-    command = list(args.command)
-    if command and command[0] == "--":
-        command = command[1:]
-    if len(command) == 1 and any(c.isspace() for c in command[0]):
-        return command[0]
-    return command
-
-
-def _run(args: argparse.Namespace, stop_event: threading.Event | None = None) -> list[Any] | None:
-    """Run the job described by ``args`` (from :func:`parse_args` or ``horovod.run``).
-
-    Returns None for a command, or the per-rank results when ``args.run_func`` is set.
+    Returns None for a command, or the per-rank results when ``job.run_func`` is set.
 
     Raises:
         ValueError: bad arguments (upstream's texts).
@@ -221,35 +159,30 @@ def _run(args: argparse.Namespace, stop_event: threading.Event | None = None) ->
     """
     from horovod.runner import spawn
 
-    if args.check_build:
-        print(_check_build_text(args.verbose))
+    if job.check_build:
+        print(_check_build_text(job.verbose))
         return None
-    # --- elastic hook: --min-np/--max-np/--host-discovery-script go to the elastic driver
-    # (horovod/runner/elastic/driver.py); everything below is the static job.
-    from horovod.runner.elastic.driver import is_elastic, run_elastic
+    job.check()
+    if job.is_elastic():
+        from horovod.runner.elastic.driver import run_elastic
 
-    if is_elastic(args):
-        run_elastic(args, stop_event)
-        return None
-    # --- end of elastic hook
-    _validate(args)
-    start_timeout = _start_timeout(args)
-    hosts = _resolve_hosts(args)
+        return run_elastic(job, stop_event)
+    start_timeout = job.start_timeout_seconds()
+    hosts = job.host_list()
     # Unlike upstream's Gloo path (which starts every listed slot), exactly -np ranks are started.
-    slots = hosts_mod.get_host_assignments(hosts, args.num_proc, args.num_proc)
+    assert job.num_proc is not None
+    slots = hosts_mod.get_host_assignments(hosts, job.num_proc, job.num_proc)
     local_names = {s.hostname for s in slots if hosts_mod.is_local_host(s.hostname)}
     remote = [h.hostname for h in hosts if any(s.hostname == h.hostname for s in slots)
               and h.hostname not in local_names]
-    knobs = knobs_mod.knob_env(args)
-    nics = _nics(args)
-    tls_on = tls_requested(args, knobs)
-    if args.use_mpi:
-        if tls_on:
+    knobs = job.knob_env()
+    if job.use_mpi:
+        if job.tls_requested():
             raise ValueError("--tls (HOROVOD_TLS=1) encrypts the built-in transport and the rendezvous store; under "
                              "--mpi the job key, the data and the object pickles travel over Open MPI's transport, "
                              "which TLS does not cover and which is not encrypted. Run without --mpi to encrypt "
                              "everything between hosts, or without --tls (see docs/security.md).")
-        return _run_mpi(args, hosts, knobs, start_timeout, remote)
+        return _run_mpi(job, hosts, knobs, start_timeout, remote)
 
     from horovod.runner import network
     from horovod.runner.rendezvous import RendezvousServer
@@ -258,17 +191,17 @@ def _run(args: argparse.Namespace, stop_event: threading.Event | None = None) ->
     if remote:
         from horovod.runner import ssh
 
-        if args.verbose:
+        if job.verbose:
             logger.info("Filtering local host names.")
             logger.info("Remote host found: %s", " ".join(remote))
-        ssh_options = ssh.SshOptions(args.ssh_port, args.ssh_identity_file,
+        ssh_options = ssh.SshOptions(job.ssh_port, job.ssh_identity_file,
                                      connect_timeout=max(1, min(10, start_timeout)))
         ssh.check_hosts(remote, ssh_options)
-    iface = network.choose_interface(remote, nics)
+    iface = network.choose_interface(remote, job.nics)
 
     key = auth.make_secret_key()
     creds = job_tls = None
-    if tls_on:
+    if job.tls_requested():
         from horovod.transport import tls as tls_mod
 
         creds = tls_mod.make_credentials()
@@ -277,14 +210,14 @@ def _run(args: argparse.Namespace, stop_event: threading.Event | None = None) ->
     server = RendezvousServer(key, addr=store_addr, tls=job_tls)
     port = server.start()
     try:
-        command = _run_func_command(args, server, store_addr, port) if args.run_func else _command(args)
-        base = dict(args.env if getattr(args, "env", None) is not None else os.environ)
+        command = _run_func_command(job, server, store_addr, port) if job.run_func else job.command_line()
+        base = job.base_env()
         cwd = os.getcwd()
         specs = [spawn.WorkerSpec(rank=s.rank, hostname=s.hostname, command=command,
                                   cwd=None if s.hostname in local_names else cwd,
                                   env=worker_env(s, base=base, store_addr=store_addr, store_port=port,
-                                                 key=key, knobs=knobs, start_timeout=start_timeout, nics=nics,
-                                                 tcp=args.tcp_flag, tls=creds))
+                                                 key=key, knobs=knobs, start_timeout=start_timeout, nics=job.nics,
+                                                 tcp=job.tcp, tls=creds))
                  for s in slots]
         host_text = ",".join(f"{h.hostname}:{sum(1 for s in slots if s.hostname == h.hostname)}"
                              for h in hosts if any(s.hostname == h.hostname for s in slots))
@@ -296,8 +229,8 @@ def _run(args: argparse.Namespace, stop_event: threading.Event | None = None) ->
                     iface.name, iface.address, ", TLS on TCP and the store" if creds else "", store_addr, port,
                     shown)
         started = time.monotonic()
-        output = spawn.OutputOptions(prefix_timestamp=args.prefix_output_with_timestamp,
-                                     output_dir=args.output_filename)
+        output = spawn.OutputOptions(prefix_timestamp=job.prefix_output_with_timestamp,
+                                     output_dir=job.output_filename)
         spawner: spawn.Spawner = spawn.spawn_local
         if ssh_options is not None:
             from horovod.runner.ssh import SshSpawner
@@ -310,7 +243,7 @@ def _run(args: argparse.Namespace, stop_event: threading.Event | None = None) ->
         spawn.run_workers(specs, spawner=spawner, output=output, stop_event=stop_event)
         logger.info("horovodrun: all %d ranks exited successfully after %.1f s", len(specs),
                     time.monotonic() - started)
-        if args.run_func:
+        if job.run_func:
             return _collect_results(server, len(slots))
         return None
     finally:
@@ -323,11 +256,11 @@ def _check_build_text(verbose: bool) -> str:
     return check_build(verbose)
 
 
-def _run_func_command(args: argparse.Namespace, server: Any, addr: str, port: int) -> list[str]:
+def _run_func_command(job: JobSpec, server: Any, addr: str, port: int) -> list[str]:
     import cloudpickle
 
-    server.put(f"{RUN_FUNC_SCOPE}/func", cloudpickle.dumps(args.run_func))
-    executable = args.executable or sys.executable
+    server.put(f"{RUN_FUNC_SCOPE}/func", cloudpickle.dumps(job.run_func))
+    executable = job.executable or sys.executable
     return [executable, "-m", "horovod.runner.run_task", addr, str(port)]
 
 
@@ -343,41 +276,34 @@ def _collect_results(server: Any, size: int) -> list[Any]:
     return results
 
 
-def _run_mpi(args: argparse.Namespace, hosts: list[hosts_mod.HostInfo], knobs: dict[str, str],
+def _run_mpi(job: JobSpec, hosts: list[hosts_mod.HostInfo], knobs: dict[str, str],
              start_timeout: float, remote: Sequence[str] = ()) -> list[Any] | None:
     from horovod.runner import mpi_run
 
-    env = dict(args.env if getattr(args, "env", None) is not None else os.environ)
-    env.update(knobs)
-    env.update({"PYTHONUNBUFFERED": "1", "HOROVOD_START_TIMEOUT": config_mod.format_number(start_timeout)})
-    if args.tcp_flag:
-        env["NCCL_IB_DISABLE"] = "1"
-    nics = _nics(args)
-    if nics:
-        env["NCCL_SOCKET_IFNAME"] = ",".join(nics)
-    mpi_args = " ".join(a for a in (args.mpi_args, args.binding_args) if a) or None
-    if not args.run_func:
-        command = _command(args)
-        command_text = command if isinstance(command, str) else shlex.join(command)
-        cmd = mpi_run.mpi_command(args.num_proc, hosts, command_text, env, nics=nics,
-                                  output_filename=args.output_filename, mpi_args=mpi_args, tcp=args.tcp_flag,
-                                  ssh_port=args.ssh_port, ssh_identity_file=args.ssh_identity_file)
-        mpi_run.exec_mpirun(cmd, env)
+    env = launcher_env(job.base_env(), knobs=knobs, start_timeout=start_timeout, nics=job.nics, tcp=job.tcp)
+    mpi_args = " ".join(a for a in (job.mpi_args, job.binding_args) if a) or None
+    assert job.num_proc is not None
+
+    def mpirun_command(command_text: str) -> str:
+        return mpi_run.mpi_command(job.num_proc, hosts, command_text, env, nics=job.nics,
+                                   output_filename=job.output_filename, mpi_args=mpi_args, tcp=job.tcp,
+                                   ssh_port=job.ssh_port, ssh_identity_file=job.ssh_identity_file)
+
+    if not job.run_func:
+        command = job.command_line()
+        mpi_run.exec_mpirun(mpirun_command(command if isinstance(command, str) else shlex.join(command)), env)
         return None  # not reached
 
     from horovod.runner.network import choose_interface
     from horovod.runner.rendezvous import RendezvousServer
 
     key = auth.make_secret_key()
-    store_addr = choose_interface(remote, nics).address
+    store_addr = choose_interface(remote, job.nics).address
     with RendezvousServer(key, addr=store_addr) as server:
         env[auth.SECRET_KEY_ENV] = key.hex()
-        command_text = shlex.join(_run_func_command(args, server, store_addr, server.port))
-        cmd = mpi_run.mpi_command(args.num_proc, hosts, command_text, env, nics=nics,
-                                  output_filename=args.output_filename, mpi_args=mpi_args, tcp=args.tcp_flag,
-                                  ssh_port=args.ssh_port, ssh_identity_file=args.ssh_identity_file)
-        mpi_run.run_mpirun(cmd, env)
-        return _collect_results(server, args.num_proc)
+        mpi_run.run_mpirun(mpirun_command(shlex.join(_run_func_command(job, server, store_addr, server.port))),
+                           env)
+        return _collect_results(server, job.num_proc)
 
 
 def _configure_logging(verbose: bool) -> None:
@@ -394,11 +320,11 @@ def _configure_logging(verbose: bool) -> None:
 def run_commandline(argv: Sequence[str] | None = None) -> None:
     """The ``horovodrun`` console script: exits 0 on success, non-zero on any failure."""
     try:
-        args = parse_args(argv)
+        job = parse_args(argv)
     except (ValueError, OSError) as e:
         sys.stderr.write(f"horovodrun: error: {e}\n")
         sys.exit(2)
-    _configure_logging(args.verbose)
+    _configure_logging(job.verbose)
 
     from horovod.runner.spawn import Interrupted, JobFailure
 
@@ -411,7 +337,7 @@ def run_commandline(argv: Sequence[str] | None = None) -> None:
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, on_signal)
     try:
-        _run(args, stop_event=stop_event)
+        _run(job, stop_event=stop_event)
     except JobFailure as e:
         logger.error("%s", e)
         sys.exit(e.shell_exit_code)

@@ -245,6 +245,26 @@ def test_horovod_run_error(capfd):
     assert "User function raise error: deliberate" in capfd.readouterr().err
 
 
+def test_horovod_run_knob_arguments():
+    """run()'s knob arguments come from the knob table: a flag's value reaches every worker's environment
+    (MB -> bytes as for the flag) and hvd.init() applies it."""
+    def settings():
+        from horovod.common.config import read_runtime_config
+
+        config = read_runtime_config()   # what hvd.init() parses
+        return (os.environ["HOROVOD_FUSION_THRESHOLD"], config.fusion_threshold, config.log_level,
+                os.environ.get("HOROVOD_STALL_CHECK_DISABLE"))
+
+    results = horovod.run(settings, np=2, fusion_threshold_mb=2, log_level="info", no_stall_check=None)
+    assert results == [(str(2 * 1024 * 1024), 2 * 1024 * 1024, "INFO", None)] * 2
+    with pytest.raises(TypeError, match="fusion_threshold_megabytes.*fusion_threshold_mb"):
+        horovod.run(_rank_env, fusion_threshold_megabytes=2)
+    with pytest.raises(ValueError, match="cycle_time_ms='fast' is not a number"):
+        horovod.run(_rank_env, cycle_time_ms="fast")
+    with pytest.raises(ValueError, match="fusion_threshold_mb=-1 must be >= 0"):
+        horovod.run(_rank_env, fusion_threshold_mb=-1)
+
+
 def test_horovod_run_argument_errors():
     with pytest.raises(ValueError, match="Argument hosts and hostfile only allow one provided."):
         horovod.run(_rank_env, hosts="a:1", hostfile="f")

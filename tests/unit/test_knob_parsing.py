@@ -6,7 +6,6 @@ one parser in ``horovod.common.config`` raises an ``EnvVarError`` (a ``ValueErro
 the value, from ``hvd.init()`` in a worker and from ``horovodrun`` before any worker starts.
 """
 
-import argparse
 import dataclasses
 import math
 import os
@@ -22,7 +21,7 @@ import horovod
 from horovod.common import bootstrap, config
 from horovod.common.config import ENV_VARS, KNOBS, EnvVarError, RuntimeConfig, read_env, read_runtime_config
 from horovod.runner import knobs as knobs_mod
-from horovod.runner.launch import _run, make_parser, parse_args
+from horovod.runner.launch import JobSpec, _run, make_parser, parse_args
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from launch_util import clean_env  # noqa: E402
@@ -334,9 +333,8 @@ def test_config_file_values_are_checked(tmp_path, line, problem):
 
 def test_run_exports_no_unset_knob():
     """Upstream's run() exported HOROVOD_CYCLE_TIME='(None,)' (a tuple by accident); ours exports none."""
-    args = make_parser().parse_args([])
-    assert knobs_mod.knob_env(args) == {}
-    assert isinstance(args, argparse.Namespace)
+    assert knobs_mod.knob_env(knobs_mod.knobs_from_args(make_parser().parse_args([]))) == {}
+    assert JobSpec().knob_env() == {}
 
 
 def test_launcher_fails_fast_naming_the_variable(tmp_path):

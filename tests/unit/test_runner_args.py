@@ -6,7 +6,7 @@ from horovod.common.config import KNOBS
 from horovod.runner import knobs
 from horovod.runner.build_info import check_build
 from horovod.runner.hosts import HostInfo, SlotInfo
-from horovod.runner.launch import _command, _validate, parse_args, worker_env
+from horovod.runner.launch import make_parser, parse_args, worker_env
 from horovod.runner.mpi_run import is_exportable, mpi_command
 from horovod.runner.output import rank_dir_name
 
@@ -25,7 +25,7 @@ def test_accepted_flags():
                        "--network-interfaces", "eth1,eth2", "--disable-cache", "--tcp", "--mpi-args=-v",
                        "--hostfile", "hosts.txt", "true"])
     assert args.ssh_port == 2222 and args.ssh_identity_file == "id_rsa" and args.disable_cache
-    assert args.nics == ["eth0", "eth1,eth2"] and args.tcp_flag and args.mpi_args == "-v"
+    assert args.nics == ["eth0", "eth1", "eth2"] and args.tcp and args.mpi_args == "-v"
     assert args.hostfile == "hosts.txt"
     with pytest.raises(SystemExit):
         parse_args(["-np", "1", "-H", "a:1", "--hostfile", "f", "true"])   # mutually exclusive
@@ -34,7 +34,7 @@ def test_accepted_flags():
 
 
 def test_every_flagged_knob_has_an_option():
-    parser_args = parse_args([])
+    parser_args = make_parser().parse_args([])
     for knob in KNOBS:
         if knob.flag:
             assert hasattr(parser_args, knobs.knob_dest(knob)), knob.flag
@@ -49,7 +49,7 @@ def test_knob_env_mapping():
                        "--hierarchical-allreduce", "--no-hierarchical-allgather",
                        "--gloo-timeout-seconds", "7",
                        "true"])
-    assert knobs.knob_env(args) == {
+    assert args.knob_env() == {
         "HOROVOD_FUSION_THRESHOLD": str(32 * 1024 * 1024),
         "HOROVOD_CYCLE_TIME": "2.5",
         "HOROVOD_CACHE_CAPACITY": "0",
@@ -63,8 +63,8 @@ def test_knob_env_mapping():
         "HOROVOD_HIERARCHICAL_ALLGATHER": "0",
         "HOROVOD_GLOO_TIMEOUT_SECONDS": "7",
     }
-    assert knobs.knob_env(parse_args(["-np", "2", "true"])) == {}   # nothing given, nothing exported
-    assert knobs.knob_env(parse_args(["--stall-check", "true"])) == {"HOROVOD_STALL_CHECK_DISABLE": "0"}
+    assert parse_args(["-np", "2", "true"]).knob_env() == {}   # nothing given, nothing exported
+    assert parse_args(["--stall-check", "true"]).knob_env() == {"HOROVOD_STALL_CHECK_DISABLE": "0"}
 
 
 @pytest.mark.parametrize("flag,dest", [("--fusion-threshold-mb", "fusion_threshold_mb"),
@@ -75,17 +75,22 @@ def test_knob_env_mapping():
 def test_negative_values(flag, dest):
     args = parse_args(["-np", "1", flag, "-1", "true"])
     with pytest.raises(ValueError) as e:
-        _validate(args)
+        args.check()
     assert str(e.value) == f"{dest}=-1 must be >= 0" or str(e.value) == f"{dest}=-1.0 must be >= 0"
 
 
 def test_validate_errors():
     with pytest.raises(ValueError, match="-np"):
-        _validate(parse_args(["true"]))
+        parse_args(["true"]).check()
     with pytest.raises(ValueError, match="No command"):
-        _validate(parse_args(["-np", "2"]))
-    with pytest.raises(ValueError, match="not supported yet"):
-        _validate(parse_args(["-np", "2", "--min-np", "1", "true"]))
+        parse_args(["-np", "2"]).check()
+    with pytest.raises(ValueError, match="--jsrun is not supported"):
+        parse_args(["-np", "2", "--jsrun", "true"]).check()
+    with pytest.raises(ValueError, match=r"--max-np \(1\) must not be less than --min-np \(2\)"):
+        parse_args(["-np", "2", "--min-np", "2", "--max-np", "1", "true"]).check()
+    with pytest.raises(ValueError, match="-np/--num-proc or --min-np is required in elastic mode"):
+        parse_args(["--host-discovery-script", "d.sh", "true"]).check()
+    parse_args(["--min-np", "2", "-H", "a:1,b:1", "true"]).check()   # elastic: -np not needed
 
 
 CONFIG = """\
@@ -115,7 +120,7 @@ def test_config_file_precedence(tmp_path):
     path.write_text(CONFIG)
     args = parse_args(["-np", "2", "--config-file", str(path), "--fusion-threshold-mb", "64", "--gloo",
                        "--stall-check-warning-time-seconds", "5", "true"])
-    env = knobs.knob_env(args)
+    env = args.knob_env()
     assert env["HOROVOD_FUSION_THRESHOLD"] == str(64 * 1024 * 1024)          # CLI wins
     assert env["HOROVOD_STALL_CHECK_TIME_SECONDS"] == "5"                     # CLI wins
     assert env["HOROVOD_CYCLE_TIME"] == "3.5"                                 # from the file
@@ -152,9 +157,9 @@ def test_worker_env():
 
 
 def test_command_forms():
-    assert _command(parse_args(["-np", "1", "python", "-c", "print(1)"])) == ["python", "-c", "print(1)"]
-    assert _command(parse_args(["-np", "1", "python a.py | tee x"])) == "python a.py | tee x"
-    assert _command(parse_args(["-np", "1", "hostname"])) == ["hostname"]
+    assert parse_args(["-np", "1", "python", "-c", "print(1)"]).command_line() == ["python", "-c", "print(1)"]
+    assert parse_args(["-np", "1", "python a.py | tee x"]).command_line() == "python a.py | tee x"
+    assert parse_args(["-np", "1", "hostname"]).command_line() == ["hostname"]
 
 
 def test_rank_dir_name():
@@ -190,3 +195,59 @@ def test_mpi_command():
                    "--output-filename logs -x HOROVOD_CYCLE_TIME -x PATH --report-bindings python train.py")
     assert not is_exportable("OLDPWD") and not is_exportable("BASH_FUNC_foo%%")
     assert not is_exportable("_HOROVOD_SECRET_KEY") and is_exportable("HOROVOD_SECRET_KEY")
+
+
+def test_upstream_knob_spellings():
+    """Upstream's hidden opposites and deprecated aliases, all from the knob table."""
+    assert parse_args(["--log-hide-timestamp", "true"]).knob_env() == {"HOROVOD_LOG_HIDE_TIME": "1"}
+    assert parse_args(["--log-with-timestamp", "true"]).knob_env() == {"HOROVOD_LOG_HIDE_TIME": "0"}
+    assert parse_args(["--log-level", "Trace", "true"]).knob_env() == {"HOROVOD_LOG_LEVEL": "TRACE"}
+    autotune = parse_args(["--autotune", "--autotune-log-file", "at.csv", "--autotune-warmup-samples", "1",
+                           "--autotune-steps-per-sample", "2", "--autotune-bayes-opt-max-samples", "3",
+                           "--autotune-gaussian-process-noise", "0.5", "true"]).knob_env()
+    assert autotune == {"HOROVOD_AUTOTUNE": "1", "HOROVOD_AUTOTUNE_LOG": "at.csv",
+                        "HOROVOD_AUTOTUNE_WARMUP_SAMPLES": "1", "HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE": "2",
+                        "HOROVOD_AUTOTUNE_BAYES_OPT_MAX_SAMPLES": "3",
+                        "HOROVOD_AUTOTUNE_GAUSSIAN_PROCESS_NOISE": "0.5"}
+    assert parse_args(["--no-autotune", "true"]).knob_env() == {"HOROVOD_AUTOTUNE": "0"}
+    help_text = make_parser().format_help()
+    for hidden in ("--log-hide-timestamp", "--log-with-timestamp", "--stall-check ", "--no-autotune"):
+        assert hidden not in help_text
+    assert "(not supported yet)" not in help_text and "elastic arguments:" in help_text
+    assert "(default: HOROVOD_START_TIMEOUT or 30)" in help_text
+
+
+def test_a_knob_added_to_the_table_is_a_flag_a_config_key_and_a_run_argument(monkeypatch, tmp_path):
+    from horovod.common import config
+
+    extra = config.Knob("demo_ratio", "HOROVOD_DEMO_RATIO", config.parse_number, 0.5, "--demo-ratio", float,
+                        "A demo knob.", "params.demo_ratio")
+    monkeypatch.setattr(knobs, "KNOBS", (*knobs.KNOBS, extra))
+    monkeypatch.setattr(knobs, "read_runtime_config", lambda env: None)
+    assert parse_args(["--demo-ratio", "0.25", "true"]).knob_env() == {"HOROVOD_DEMO_RATIO": "0.25"}
+    path = tmp_path / "c.yaml"
+    path.write_text("params:\n  demo_ratio: 0.75\n")
+    assert parse_args(["--config-file", str(path), "true"]).knob_env() == {"HOROVOD_DEMO_RATIO": "0.75"}
+    assert knobs.knob_env(knobs.knobs_from_kwargs({"demo_ratio": 2})) == {"HOROVOD_DEMO_RATIO": "2.0"}
+    assert "--demo-ratio" in make_parser().format_help()
+
+
+def test_job_spec_is_the_one_job_object():
+    """horovodrun's arguments and horovod.run() both become a JobSpec; the driver never imports launch."""
+    import ast
+    import inspect
+
+    from horovod.runner import job as job_mod
+    from horovod.runner.elastic import driver
+
+    job = parse_args(["-np", "3", "--min-np", "2", "--max-np", "4", "--elastic-timeout", "9", "-H", "a:2,b:2",
+                      "--network-interface", "eth0,eth1", "--blacklist-cooldown-range", "1", "5", "true"])
+    assert isinstance(job, job_mod.JobSpec) and job.is_elastic()
+    assert job.elastic_bounds() == (3, 2, 4) and job.elastic_timeout_seconds() == 9
+    assert job.nics == ["eth0", "eth1"] and job.cooldown_range == (1, 5)
+    assert [h.hostname for h in job.host_list()] == ["a", "b"]
+    job.env = {"HOROVOD_START_TIMEOUT": "12"}
+    assert job.start_timeout_seconds() == 12 and job_mod.JobSpec(env={}).start_timeout_seconds() == 30
+    imported = {node.module for node in ast.walk(ast.parse(inspect.getsource(driver)))
+                if isinstance(node, ast.ImportFrom)}
+    assert "horovod.runner.launch" not in imported

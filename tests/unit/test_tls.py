@@ -522,8 +522,8 @@ def test_launcher_flag_env_and_mpi_refusal(creds, monkeypatch):
 
     monkeypatch.delenv("HOROVOD_TLS", raising=False)
     args = launch.parse_args(["-np", "2", "--tls", "true"])
-    assert launch.knobs_mod.knob_env(args)["HOROVOD_TLS"] == "1"
-    assert launch.tls_requested(args, launch.knobs_mod.knob_env(args))
+    assert args.knob_env()["HOROVOD_TLS"] == "1"
+    assert args.tls_requested()
     args = launch.parse_args(["-np", "2", "--tls", "--mpi", "true"])
     with pytest.raises(ValueError, match="--tls.*under --mpi.*not encrypted"):
         launch._run(args)

@@ -18,7 +18,6 @@ It runs the rendezvous store and numbers rank assignments by *generation* (the s
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import logging
 import os
@@ -41,9 +40,11 @@ from horovod.runner.elastic.discovery import (
     HostDiscoveryScript,
     HostManager,
 )
+from horovod.runner.job import JobSpec
 from horovod.runner.output import OutputSink, forward_stream
+from horovod.runner.worker_env import worker_env
 
-__all__ = ["ElasticDriver", "run_elastic", "is_elastic", "RESET_LIMIT_MESSAGE", "DEFAULT_GRACE_SECONDS"]
+__all__ = ["ElasticDriver", "run_elastic", "RESET_LIMIT_MESSAGE", "DEFAULT_GRACE_SECONDS"]
 
 logger = logging.getLogger(__name__)
 
@@ -54,12 +55,6 @@ DEFAULT_GRACE_SECONDS = ENV_VARS["HOROVOD_ELASTIC_GRACE_SECONDS"].default
 
 _TICK = 0.1
 _RANK_VARS = ("HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_SIZE", "HOROVOD_CROSS_RANK", "HOROVOD_CROSS_SIZE")
-
-
-def is_elastic(args: argparse.Namespace) -> bool:
-    """Upstream's rule: a discovery script or any of --min-np/--max-np makes the job elastic."""
-    return bool(getattr(args, "host_discovery_script", None)) or args.min_num_proc is not None or \
-        args.max_num_proc is not None
 
 
 @dataclasses.dataclass
@@ -364,8 +359,6 @@ class ElasticDriver:
 
     # ------------------------------------------------------------------ processes
     def _worker_env(self, slot: str, s: hosts_mod.SlotInfo) -> dict[str, str]:
-        from horovod.runner.launch import worker_env
-
         store_addr, store_port = self._store_endpoint(s.hostname)
         env = worker_env(s, base=self.base_env, store_addr=store_addr,
                          store_port=store_port, key=self.key, knobs=self.knobs,
@@ -432,64 +425,37 @@ def _forward(stream: Any, sink: OutputSink, label: int, name: str, timestamp: bo
         stream.close()
 
 
-def _discovery(args: argparse.Namespace) -> HostDiscovery:
-    if args.host_discovery_script:
-        return HostDiscoveryScript(args.host_discovery_script, args.slots)
-    if args.hosts or args.hostfile:
-        spec = hosts_mod.parse_host_files(args.hostfile) if args.hostfile else args.hosts
-        hosts = hosts_mod.parse_hosts(spec)
+def _discovery(job: JobSpec) -> HostDiscovery:
+    if job.host_discovery_script:
+        return HostDiscoveryScript(job.host_discovery_script, job.slots)
+    if job.hosts or job.hostfile:
+        hosts = job.host_list()
         if len(hosts) < 2:
             raise ValueError("Cannot run in fault tolerance mode with fewer than 2 hosts.")
         return FixedHosts(hosts)
     raise ValueError("One of --host-discovery-script, --hosts, or --hostnames must be provided")
 
 
-def run_elastic(args: argparse.Namespace, stop_event: threading.Event | None = None) -> None:
-    """``horovodrun`` in elastic mode (called by ``launch._run``).
+def run_elastic(job: JobSpec, stop_event: threading.Event | None = None) -> None:
+    """Run the elastic ``job`` (``launch._run`` calls this after :meth:`JobSpec.check`).
 
     Raises:
         ValueError: bad arguments (upstream's texts).
         RuntimeError: the job failed (see :meth:`ElasticDriver.run`).
     """
-    from horovod.runner import knobs as knobs_mod
-    from horovod.runner.launch import _command, _nics, _start_timeout
-
-    knobs_mod.validate_knob_args(args)
-    if getattr(args, "run_func", None) is not None:
+    if job.run_func is not None:
         raise ValueError("horovod.run() in elastic mode is not supported yet; use horovodrun with a command.")
-    if not args.command:
-        raise ValueError("No command given: horovodrun -np N <command> [args...]")
-    for dest in ("num_proc", "min_num_proc", "max_num_proc", "elastic_timeout", "reset_limit", "start_timeout"):
-        value = getattr(args, dest, None)
-        if value is not None and value < 0:
-            raise ValueError(f"{dest}={value} must be >= 0")
-    num_proc = args.num_proc or args.min_num_proc
-    if not num_proc:
-        raise ValueError("-np/--num-proc or --min-np is required in elastic mode.")
-    min_np = args.min_num_proc if args.min_num_proc is not None else num_proc
-    max_np = args.max_num_proc
-    if max_np is not None and max_np < min_np:
-        raise ValueError(f"--max-np ({max_np}) must not be less than --min-np ({min_np}).")
-    if max_np is not None:
-        num_proc = min(num_proc, max_np)
-    discovery = _discovery(args)
-    base = dict(args.env if getattr(args, "env", None) is not None else os.environ)
-    start_timeout = _start_timeout(args)
-    elastic_timeout = args.elastic_timeout
-    if elastic_timeout is None:
-        elastic_timeout = read_env("HOROVOD_ELASTIC_TIMEOUT", base)
-    for dest, value in (("start_timeout", start_timeout), ("elastic_timeout", elastic_timeout)):
-        if value == 0:
-            raise ValueError(f"{dest}=0 must be > 0")
+    num_proc, min_np, max_np = job.elastic_bounds()
+    discovery = _discovery(job)
     ssh_options = None
-    if getattr(args, "ssh_port", None) or getattr(args, "ssh_identity_file", None):
+    if job.ssh_port or job.ssh_identity_file:
         from horovod.runner.ssh import SshOptions
 
-        ssh_options = SshOptions(port=args.ssh_port, identity_file=args.ssh_identity_file)
+        ssh_options = SshOptions(port=job.ssh_port, identity_file=job.ssh_identity_file)
     driver = ElasticDriver(
-        discovery, _command(args), num_proc=num_proc, min_np=min_np, max_np=max_np, base_env=base,
-        knobs=knobs_mod.knob_env(args), start_timeout=start_timeout, elastic_timeout=elastic_timeout,
-        reset_limit=args.reset_limit, cooldown_range=tuple(args.cooldown_range) if args.cooldown_range else None,
-        nics=_nics(args), stop_event=stop_event, ssh_options=ssh_options,
-        output=spawn.OutputOptions(prefix_timestamp=args.prefix_output_with_timestamp))
+        discovery, job.command_line(), num_proc=num_proc, min_np=min_np, max_np=max_np, base_env=job.base_env(),
+        knobs=job.knob_env(), start_timeout=job.start_timeout_seconds(),
+        elastic_timeout=job.elastic_timeout_seconds(), reset_limit=job.reset_limit,
+        cooldown_range=job.cooldown_range, nics=job.nics, stop_event=stop_event, ssh_options=ssh_options,
+        output=spawn.OutputOptions(prefix_timestamp=job.prefix_output_with_timestamp))
     driver.run()

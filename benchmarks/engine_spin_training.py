@@ -103,7 +103,9 @@ def main() -> None:
         return
     cmd = [sys.executable, "-m", "horovod.runner", "-np", "2", sys.executable, os.path.abspath(__file__),
            "--worker", "--batch", str(args.batch), "--warmup", str(args.warmup), "--iters", str(args.iters)]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the ranks import horovod from here
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": root}
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env=env)
     lines = [line.split(RESULT, 1)[1] for line in out.stdout.splitlines() if RESULT in line]
     if not lines:
         raise RuntimeError(f"benchmark run failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")

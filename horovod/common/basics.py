@@ -12,11 +12,11 @@ import dataclasses
 import logging
 import threading
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from horovod.base.reduce_ops import ReduceOp
 from horovod.common import bootstrap, logconfig, naming
 from horovod.common.config import read_runtime_config
-from horovod.common.process_sets import ProcessSet, global_process_set
 from horovod.runtime.engine import Engine, Topology
 from horovod.runtime.messages import Request, RequestType
 
@@ -27,6 +27,9 @@ __all__ = [
     "start_timeline", "stop_timeline", "engine", "process_set_ranks", "Average", "Sum", "Adasum", "Min", "Max",
     "Product",
 ]
+
+if TYPE_CHECKING:  # process_sets imports this module (ProcessSet.rank() asks it): no import back
+    from horovod.common.process_sets import ProcessSet
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +83,7 @@ def init(comm=None, process_sets: Sequence[ProcessSet] | str | None = None) -> N
         try:
             sets = _register_static_sets(list(process_sets or []), topology.size)
             if topology.size > 1 and mesh is None:
-                mesh = bootstrap.build_mesh(topology, sets, gen, mpi)
+                mesh = bootstrap.build_mesh(topology, [ps.ranks for ps in sets], gen, mpi)
             engine = Engine(topology, config, mesh, {ps.process_set_id: ps.ranks for ps in sets})
         except Exception:
             if mesh is not None:
@@ -95,8 +98,6 @@ def init(comm=None, process_sets: Sequence[ProcessSet] | str | None = None) -> N
         _dynamic_counter = 0
         _initialized = True
         naming.reset()
-        global_process_set.ranks = list(range(topology.size))
-        global_process_set.process_set_id = 0
         if not _atexit_registered:
             atexit.register(shutdown)
             _atexit_registered = True

@@ -18,7 +18,6 @@ import time
 
 from horovod.common import auth
 from horovod.common.config import read_env, start_timeout
-from horovod.common.process_sets import ProcessSet
 from horovod.runtime.engine import Topology
 from horovod.transport.communicator import PeerFailure
 
@@ -224,8 +223,10 @@ class _GenerationStore:
                 log.debug("could not delete generation %d's store keys: %s", self.generation - 1, e)
 
 
-def build_mesh(topology: Topology, sets: list[ProcessSet], generation: int, mpi=None):
+def build_mesh(topology: Topology, sets: list[list[int]], generation: int, mpi=None):
     """Connect this rank to every other one for ``init()`` number ``generation`` (through MPI or the store).
+
+    ``sets`` are the ranks of the static process sets passed to ``init()``: every rank must pass the same.
 
     Raises GenerationMismatch (naming the peer and both generations) when the ranks are not in the same
     generation: fast when the peer already left it, else at the start timeout.
@@ -238,7 +239,7 @@ def build_mesh(topology: Topology, sets: list[ProcessSet], generation: int, mpi=
         from horovod.transport.mpi import MpiStore, allgather_bytes
 
         timeout = start_timeout()
-        mine = [list(ps.ranks) for ps in sets]
+        mine = [list(ranks) for ranks in sets]
         everyone = [json.loads(b) for b in allgather_bytes(mpi.comm, json.dumps(mine).encode())]
         for r, theirs in enumerate(everyone):
             if theirs != mine:
@@ -271,7 +272,7 @@ def build_mesh(topology: Topology, sets: list[ProcessSet], generation: int, mpi=
     return mesh
 
 
-def _meet(topology: Topology, sets: list[ProcessSet], store: _GenerationStore, key: bytes, scope: str,
+def _meet(topology: Topology, sets: list[list[int]], store: _GenerationStore, key: bytes, scope: str,
           timeout: float, addr: str):
     """Compare the static process sets, then form the mesh, all through the launcher's store."""
     import json
@@ -281,7 +282,7 @@ def _meet(topology: Topology, sets: list[ProcessSet], store: _GenerationStore, k
 
     deadline = time.monotonic() + timeout
     # Every rank must pass the same static process sets: rank 0 compares everyone's, the others rank 0's.
-    mine = json.dumps([ps.ranks for ps in sets]).encode()
+    mine = json.dumps([list(ranks) for ranks in sets]).encode()
     store.put(f"{scope}/process_sets.{topology.rank}", mine)
     others = range(1, topology.size) if topology.rank == 0 else [0]
     for r in others:

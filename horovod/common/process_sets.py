@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+from horovod.common import basics
+
 __all__ = ["ProcessSet", "global_process_set", "add_process_set", "remove_process_set"]
 
 
@@ -44,8 +46,6 @@ class ProcessSet:
     def rank(self) -> int | None:
         if self.process_set_id is None:
             return None
-        from horovod.common import basics
-
         me = basics.rank()
         if me not in (self.ranks or []):
             raise ValueError("Process is not part of provided process set.")
@@ -54,8 +54,6 @@ class ProcessSet:
     def included(self) -> bool | None:
         if self.ranks is None:
             return None
-        from horovod.common import basics
-
         return basics.rank() in self.ranks
 
     def __str__(self) -> str:
@@ -64,8 +62,26 @@ class ProcessSet:
     __repr__ = __str__
 
 
-global_process_set = ProcessSet([])
-global_process_set.process_set_id = 0
+class _GlobalProcessSet(ProcessSet):
+    """Id 0: every rank of the running job (no ranks before the first ``init()``)."""
+
+    process_set_id = 0
+
+    def __init__(self) -> None:  # noqa: D107 - nothing to store: the ranks follow the job
+        pass
+
+    @property
+    def ranks(self) -> list[int]:  # type: ignore[override]
+        try:
+            return list(range(basics.size()))
+        except ValueError:  # before the first init()
+            return []
+
+    def _invalidate(self) -> None:
+        pass  # the global set stays registered across init() generations
+
+
+global_process_set = _GlobalProcessSet()
 
 
 def _normalize(ps_or_ranks: ProcessSet | Sequence[int]) -> ProcessSet:
@@ -74,13 +90,9 @@ def _normalize(ps_or_ranks: ProcessSet | Sequence[int]) -> ProcessSet:
 
 def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
     """Register a new process set on every rank (collective: all ranks call it in the same order)."""
-    from horovod.common import basics
-
     return basics.add_process_set(_normalize(process_set))
 
 
 def remove_process_set(process_set: ProcessSet) -> bool:
     """Unregister a process set on every rank (collective); False for the global or an unknown set."""
-    from horovod.common import basics
-
     return basics.remove_process_set(process_set)

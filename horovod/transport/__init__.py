@@ -49,7 +49,7 @@ def _hierarchical(mesh: Mesh, ranks: list[int], config: RuntimeConfig) -> Commun
 def _mpi(mesh: Mesh, ranks: list[int], config: RuntimeConfig) -> Communicator:
     from horovod.transport.mpi import MpiCommunicator
 
-    return MpiCommunicator(mesh.mpi_comm, ranks)  # type: ignore[attr-defined]
+    return MpiCommunicator(mesh.mpi_comm, ranks)
 
 
 BACKENDS: dict[str, Factory] = {"shm": _shm, "tcp": _tcp, "hierarchical": _hierarchical, "mpi": _mpi}
@@ -70,7 +70,7 @@ def get_backend(name: str) -> Factory:
 
 def choose_backend(mesh: Mesh, ranks: list[int], config: RuntimeConfig) -> str:
     """The name of the backend :func:`make_communicator` uses for ``ranks`` (every member agrees)."""
-    if getattr(mesh, "mpi_comm", None) is not None:  # set by init under MPI with HOROVOD_CPU_OPERATIONS=mpi
+    if mesh.mpi_comm is not None:  # init under MPI with HOROVOD_CPU_OPERATIONS=mpi
         return "mpi"
     per_host = collections.Counter(mesh.hostnames[r] for r in ranks)
     shm_ok = not (config.disable_shm or mesh.disable_shm)

@@ -94,6 +94,9 @@ class Mesh:
     data: dict[int, Channel] = dataclasses.field(default_factory=dict)
     disable_shm: bool = False
     tls: bool = False  # TCP channels are TLS (horovodrun --tls)
+    # The job's mpi4py communicator when data goes through MPI (bootstrapped by mpirun/srun with
+    # HOROVOD_CPU_OPERATIONS=mpi, the default there): make_communicator then picks horovod.transport.mpi.
+    mpi_comm: Any = None
 
     def local_ranks(self, ranks: list[int] | None = None) -> list[int]:
         """The ranks (of ``ranks``, default all) on this rank's host, sorted."""

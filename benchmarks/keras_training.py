@@ -1,8 +1,12 @@
 """Keras training throughput with horovod.tensorflow.keras: np=2 vs 2 x one process (scaling efficiency).
 
-A synthetic CNN of about 5 M parameters (the same shape as benchmarks/torch_training.py) trained with
-``model.fit`` on synthetic 32x32 images, one TensorFlow thread per process (intra- and inter-op), batch
-``--batch`` per rank, ``hvd.DistributedOptimizer`` reducing ~20 MB of gradients per step.
+Two models (``--model``), trained with ``model.fit`` on synthetic data, one TensorFlow thread per process
+(intra- and inter-op), ``hvd.DistributedOptimizer`` reducing ~20 MB of gradients per step:
+
+* ``cnn``: about 5 M parameters (the same shape as benchmarks/torch_training.py) on 32x32 images, batch 32
+  per rank by default;
+* ``dense``: 1024-2048-1024-1024-10 on flat inputs, 5.3 M parameters, batch 64 per rank by default: ~20 ms
+  of compute per step for the same bytes of gradient, so communication shows.
 
 Default (paired): one ``horovodrun -np 2`` launch; every rank holds two copies of the model, one compiled
 with the plain optimizer (the single-process contender) and one with ``hvd.DistributedOptimizer``, and
@@ -12,8 +16,9 @@ runs while the other rank computes too, as a single process would next to other 
 ``efficiency = np2 samples/s / (2 x single samples/s) = local step time / distributed step time`` (medians).
 ``--separate`` launches np=1 and np=2 jobs alternately instead.
 
-    python benchmarks/keras_training.py                # prints a table and a JSON line
+    python benchmarks/keras_training.py                # the CNN: prints a table and a JSON line
     python benchmarks/keras_training.py --batch 32 --rounds 4 --block 5
+    python benchmarks/keras_training.py --model dense --rounds 6 --block 10
 """
 
 from __future__ import annotations
@@ -30,9 +35,14 @@ RESULT = "RESULT "
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def build_model(keras):
-    """~5.1 M parameters: four 3x3 conv layers on 32x32x3 images and two dense layers."""
+def build_model(keras, name: str = "cnn"):
+    """``cnn``: ~5.1 M parameters, four 3x3 conv layers on 32x32x3 images and two dense layers; ``dense``:
+    1024-2048-1024-1024-10, ~5.3 M parameters."""
     layers = keras.layers
+    if name == "dense":
+        return keras.Sequential([keras.Input((1024,)), layers.Dense(2048, activation="relu"),
+                                 layers.Dense(1024, activation="relu"), layers.Dense(1024, activation="relu"),
+                                 layers.Dense(10)])
     return keras.Sequential([
         keras.Input((32, 32, 3)),
         layers.Conv2D(32, 3, padding="same", activation="relu"),
@@ -41,6 +51,15 @@ def build_model(keras):
         layers.Conv2D(256, 3, padding="same", activation="relu"), layers.MaxPooling2D(),
         layers.Flatten(), layers.Dense(1152, activation="relu"), layers.Dense(10),
     ])
+
+
+def synthetic_data(args, tf, np, rank: int):
+    """Four batches of random samples for ``args.model``, repeated."""
+    rng = np.random.default_rng(rank)
+    shape = (1024,) if args.model == "dense" else (32, 32, 3)
+    x = rng.normal(size=(args.batch * 4, *shape)).astype(np.float32)
+    y = rng.integers(0, 10, size=args.batch * 4)
+    return tf.data.Dataset.from_tensor_slices((x, y)).batch(args.batch).repeat()
 
 
 def worker(args) -> None:
@@ -57,16 +76,13 @@ def worker(args) -> None:
     keras.utils.set_random_seed(0)
     if args.paired:
         return paired_worker(args, tf, keras, np, hvd)
-    model = build_model(keras)
+    model = build_model(keras, args.model)
     params = model.count_params()
     opt = keras.optimizers.SGD(0.01)
     if hvd.size() > 1:
         opt = hvd.DistributedOptimizer(opt, compression=hvd.Compression.fp16 if args.fp16 else hvd.Compression.none)
     model.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    rng = np.random.default_rng(hvd.rank())
-    x = rng.normal(size=(args.batch * 4, 32, 32, 3)).astype(np.float32)
-    y = rng.integers(0, 10, size=args.batch * 4)
-    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(args.batch).repeat()
+    data = synthetic_data(args, tf, np, hvd.rank())
 
     times: list[float] = []
 
@@ -89,12 +105,9 @@ def worker(args) -> None:
 
 def paired_worker(args, tf, keras, np, hvd) -> None:
     """Alternate fit blocks of a local and a distributed copy of the model in the same processes."""
-    rng = np.random.default_rng(hvd.rank())
-    x = rng.normal(size=(args.batch * 4, 32, 32, 3)).astype(np.float32)
-    y = rng.integers(0, 10, size=args.batch * 4)
-    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(args.batch).repeat()
+    data = synthetic_data(args, tf, np, hvd.rank())
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    local, dist = build_model(keras), build_model(keras)
+    local, dist = build_model(keras, args.model), build_model(keras, args.model)
     local.compile(optimizer=keras.optimizers.SGD(0.01), loss=loss)
     compression = hvd.Compression.fp16 if args.fp16 else hvd.Compression.none
     dist.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.01), compression=compression),
@@ -124,6 +137,7 @@ def paired_worker(args, tf, keras, np, hvd) -> None:
     step_dist = statistics.median(times["dist"])
     if hvd.rank() == 0:
         print(RESULT + json.dumps({"np": hvd.size(), "params": local.count_params(), "batch": args.batch,
+                                   "model": args.model, "load": os.getloadavg(),
                                    "local_step_s": step_local, "dist_step_s": step_dist,
                                    "single_samples_per_s": args.batch / step_local,
                                    "np_samples_per_s": hvd.size() * args.batch / step_dist,
@@ -131,7 +145,8 @@ def paired_worker(args, tf, keras, np, hvd) -> None:
 
 
 def launch(np_: int, args, paired: bool = False) -> dict:
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--batch", str(args.batch), "--steps",
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--model", args.model, "--batch", str(args.batch),
+           "--steps",
            str(args.steps), "--warmup", str(args.warmup), "--rounds", str(args.rounds), "--block",
            str(args.block)] + (["--fp16"] if args.fp16 else []) + (["--paired"] if paired else [])
     if np_ > 1:
@@ -148,7 +163,8 @@ def launch(np_: int, args, paired: bool = False) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--np", type=int, default=2)
-    parser.add_argument("--batch", type=int, default=32, help="samples per rank per step")
+    parser.add_argument("--model", choices=["cnn", "dense"], default="cnn")
+    parser.add_argument("--batch", type=int, default=0, help="samples per rank per step (default 32 cnn, 64 dense)")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=2, help="alternations (paired: of fit blocks)")
@@ -161,9 +177,12 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
+    args.batch = args.batch or (64 if args.model == "dense" else 32)
     if not args.separate:
+        load = os.getloadavg()[0]
         r = launch(args.np, args, paired=True)
-        print(f"Keras fit, ~{r['params'] / 1e6:.1f} M params, batch {args.batch}/rank, 1 thread/process, paired")
+        print(f"Keras fit, {args.model}, ~{r['params'] / 1e6:.1f} M params, batch {args.batch}/rank, "
+              f"1 thread/process, paired, load average {load:.1f} -> {r['load'][0]:.1f}")
         print(f"{'contender':<28}{'samples/s':>12}{'step ms':>10}")
         print(f"{'2 x single process':<28}{2 * r['single_samples_per_s']:>12.1f}{r['local_step_s'] * 1e3:>10.1f}")
         print(f"{f'np={args.np} DistributedOptimizer':<28}{r['np_samples_per_s']:>12.1f}"
@@ -178,12 +197,14 @@ def main() -> None:
     s = statistics.median(r["samples_per_s"] for r in single)
     m = statistics.median(r["samples_per_s"] for r in multi)
     eff = m / (args.np * s)
-    print(f"Keras fit, ~{single[0]['params'] / 1e6:.1f} M params, batch {args.batch}/rank, 1 thread/process")
+    print(f"Keras fit, {args.model}, ~{single[0]['params'] / 1e6:.1f} M params, batch {args.batch}/rank, "
+          "1 thread/process")
     print(f"{'run':<12}{'samples/s':>12}{'step ms':>10}")
     print(f"{'np=1':<12}{s:>12.1f}{statistics.median(r['step_s'] for r in single) * 1e3:>10.1f}")
     print(f"{f'np={args.np}':<12}{m:>12.1f}{statistics.median(r['step_s'] for r in multi) * 1e3:>10.1f}")
     print(f"scaling efficiency np={args.np} / ({args.np} x np=1): {eff:.3f}")
-    print(json.dumps({"benchmark": "keras_training", "np": args.np, "batch": args.batch, "fp16": args.fp16,
+    print(json.dumps({"benchmark": "keras_training", "model": args.model, "np": args.np, "batch": args.batch,
+                      "fp16": args.fp16,
                       "single_samples_per_s": s, "np_samples_per_s": m, "efficiency": eff,
                       "params": single[0]["params"]}))
 

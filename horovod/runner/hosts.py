@@ -12,6 +12,8 @@ import re
 import socket
 from collections.abc import Iterable
 
+from horovod.transport import netif
+
 __all__ = [
     "HostInfo", "SlotInfo", "parse_hosts", "parse_host_files", "get_host_assignments", "is_local_host",
     "INVALID_HOST_MESSAGE",
@@ -128,25 +130,11 @@ def get_host_assignments(hosts: list[HostInfo], min_np: int, max_np: int | None 
     return slots
 
 
-def _local_addresses() -> set[str]:
-    addrs = {"127.0.0.1", "::1"}
-    try:
-        import psutil
-
-        for entries in psutil.net_if_addrs().values():
-            for entry in entries:
-                if entry.family in (socket.AF_INET, socket.AF_INET6):
-                    addrs.add(entry.address.split("%", 1)[0])
-    except Exception as e:  # psutil missing or the OS refused: fall back to the loopback set
-        logger.debug("could not list local interface addresses: %s", e)
-    return addrs
-
-
 def is_local_host(hostname: str, _local: Iterable[str] | None = None) -> bool:
     """Whether ``hostname`` names this machine (a loopback name, our hostname, or one of our addresses)."""
     if hostname in ("localhost", "127.0.0.1", "::1") or hostname in (socket.gethostname(), socket.getfqdn()):
         return True
-    local = set(_local) if _local is not None else _local_addresses()
+    local = set(_local) if _local is not None else {"127.0.0.1", "::1", *netif.local_addresses()}
     try:
         infos = socket.getaddrinfo(hostname, None)
     except OSError:

@@ -11,10 +11,11 @@ from __future__ import annotations
 import dataclasses
 import ipaddress
 import logging
-import socket
 from collections.abc import Sequence
 
-__all__ = ["Interface", "interface_addresses", "route_source", "choose_interface"]
+from horovod.transport.netif import interface_addresses, route_source
+
+__all__ = ["Interface", "choose_interface"]
 
 logger = logging.getLogger(__name__)
 
@@ -25,29 +26,6 @@ class Interface:
 
     name: str
     address: str
-
-
-def interface_addresses() -> dict[str, list[str]]:
-    """IPv4 addresses per interface of this host (network namespace)."""
-    import psutil
-
-    result: dict[str, list[str]] = {}
-    for name, entries in psutil.net_if_addrs().items():
-        for entry in entries:
-            if entry.family == socket.AF_INET:
-                result.setdefault(name, []).append(entry.address)
-    return result
-
-
-def route_source(host: str) -> str | None:
-    """The local address the kernel would use to reach ``host`` (a UDP connect sends nothing), or None."""
-    try:
-        addr = socket.getaddrinfo(host, None, socket.AF_INET)[0][4][0]
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-            probe.connect((addr, 9))
-            return probe.getsockname()[0]
-    except OSError:
-        return None
 
 
 def _is_loopback(addr: str) -> bool:

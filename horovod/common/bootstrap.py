@@ -106,15 +106,6 @@ def topology_from_mpi(job) -> Topology:
                     cross_rank=job.cross_rank, cross_size=job.cross_size, hostname=job.hostname)
 
 
-def _interface_address(name: str) -> str | None:
-    import psutil
-
-    for entry in psutil.net_if_addrs().get(name, []):
-        if entry.family == socket.AF_INET:
-            return entry.address
-    return None
-
-
 class GenerationMismatch(PeerFailure):
     """A peer is not in this rank's generation of ``init()`` (or reported that its ``init()`` failed).
 
@@ -279,6 +270,7 @@ def _meet(topology: Topology, sets: list[list[int]], store: _GenerationStore, ke
 
     from horovod.transport import build_mesh as connect
     from horovod.transport.mesh import advertise_address
+    from horovod.transport.netif import interface_address
 
     deadline = time.monotonic() + timeout
     # Every rank must pass the same static process sets: rank 0 compares everyone's, the others rank 0's.
@@ -293,7 +285,7 @@ def _meet(topology: Topology, sets: list[list[int]], store: _GenerationStore, ke
     # Listen and advertise on HOROVOD_GLOO_IFACE (--network-interface) if this host has it, else on the
     # interface that routes to the launcher's store (the network the launcher chose for the job).
     iface = read_env("HOROVOD_GLOO_IFACE")
-    iface_addr = _interface_address(iface) if iface else None
+    iface_addr = interface_address(iface) if iface else None
     if iface and iface_addr is None:
         log.warning("HOROVOD_GLOO_IFACE=%s has no IPv4 address on %s; using the route to %s", iface,
                     topology.hostname, addr)

@@ -1,45 +1,91 @@
 """Integer handles for the async API of every adapter (``allreduce_async`` returns an int, as upstream).
 
-The map keeps the engine handle — and through it the caller's input and output buffers — alive until
+One contract for every framework: an adapter registers a *pending* object (anything with ``done()`` and
+``wait()``: an engine handle, or the adapter's wrapper that turns numpy results into its tensors) and gets an
+int; ``poll(handle)`` is ``done()``, ``synchronize(handle)`` forgets the handle and returns ``wait()``.  A
+grouped call registers a :class:`Group`, whose result is a tuple with one entry per tensor (upstream's
+grouped handles; the synchronous ``grouped_*`` wrappers return lists).
+
+The map keeps the pending object -- and through it the caller's input and output buffers -- alive until
 ``synchronize`` pops it: the engine reads and writes those buffers after the async call has returned.
 """
 
 from __future__ import annotations
 
 import itertools
-from typing import Any
+from collections.abc import Iterable
+from typing import Any, Protocol
 
-__all__ = ["HandleMap"]
+__all__ = ["Pending", "Group", "HandleMap"]
+
+
+class Pending(Protocol):
+    """What a handle stands for: ``done()`` never blocks; ``wait()`` returns the result or raises its error."""
+
+    def done(self) -> bool: ...
+
+    def wait(self) -> Any: ...
+
+
+class Group:
+    """Several pending operations behind one handle; the result is a tuple of theirs, in order."""
+
+    __slots__ = ("_members",)
+
+    def __init__(self, members: Iterable[Pending]) -> None:
+        self._members = tuple(members)
+
+    def done(self) -> bool:
+        return all(m.done() for m in self._members)
+
+    def wait(self) -> tuple:
+        return tuple(m.wait() for m in self._members)
 
 
 class HandleMap:
-    """Integer handles → (engine handle or adapter wrapper, grouped flag); numbering restarts on ``reset``.
+    """Integer handles → pending operations; numbering restarts on ``reset``.
 
     No lock: ``next()`` of an ``itertools.count`` and one dict store/pop are each atomic in CPython, and
     these run once per tensor on the caller's path."""
 
     def __init__(self) -> None:
         self._counter = itertools.count(1)
-        self._handles: dict[int, tuple[Any, bool]] = {}
+        self._pending: dict[int, Pending] = {}
 
-    def add(self, handle: Any, grouped: bool = False) -> int:
+    def add(self, pending: Pending) -> int:
+        """Register ``pending``; returns its handle."""
         key = next(self._counter)
-        self._handles[key] = (handle, grouped)
+        self._pending[key] = pending
         return key
 
-    def pop(self, key: int) -> tuple[Any, bool]:
+    def poll(self, key: int) -> bool:
+        """True once the operation behind ``key`` has completed (successfully or not).
+
+        Raises:
+            ValueError: unknown or already synchronized handle.
+        """
+        return self._get(key).done()
+
+    def synchronize(self, key: int) -> Any:
+        """Forget ``key`` and wait for its result (a tuple for a :class:`Group`).
+
+        Raises:
+            ValueError: unknown or already synchronized handle (upstream returned None).
+            Exception: the operation's own error (``HorovodInternalError``, ``PreconditionError`` ...).
+        """
         try:
-            return self._handles.pop(key)
+            pending = self._pending.pop(key)
         except (KeyError, TypeError):
             raise ValueError(f"Unknown or already synchronized handle: {key}") from None
+        return pending.wait()
 
-    def peek(self, key: int) -> tuple[Any, bool]:
+    def _get(self, key: int) -> Pending:
         try:
-            return self._handles[key]
+            return self._pending[key]
         except (KeyError, TypeError):
             raise ValueError(f"Unknown or already synchronized handle: {key}") from None
 
     def reset(self) -> None:
         """Forget every handle and restart numbering at 1 (upstream does this on init/shutdown)."""
-        self._handles.clear()
+        self._pending.clear()
         self._counter = itertools.count(1)

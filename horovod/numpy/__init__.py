@@ -50,7 +50,7 @@ from horovod.common.basics import (
     stop_timeline,
 )
 from horovod.common.exceptions import HorovodInternalError
-from horovod.common.handles import HandleMap
+from horovod.common.handles import Group, HandleMap
 from horovod.common.objects import allgather_object, broadcast_object
 from horovod.common.process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
 
@@ -78,16 +78,13 @@ def _resolve_op(op: int | None, average: bool | None) -> int:
 
 def poll(handle: int) -> bool:
     """True once the operation behind ``handle`` has completed (successfully or not)."""
-    h, grouped = _handles.peek(handle)
-    return all(x.done() for x in h) if grouped else h.done()
+    return _handles.poll(handle)
 
 
 def synchronize(handle: int):
-    """Wait for ``handle`` and return its result; raises the collective's error."""
-    h, grouped = _handles.pop(handle)
-    if grouped:
-        return [x.wait() for x in h]
-    return h.wait()
+    """Wait for ``handle`` and return its result (a tuple for grouped handles, as upstream's torch); raises the
+    collective's error."""
+    return _handles.synchronize(handle)
 
 
 # ---------------------------------------------------------------------- allreduce
@@ -136,10 +133,9 @@ def _require_writable(tensor: np.ndarray) -> None:
 def grouped_allreduce_async(tensors: Sequence[np.ndarray], average: bool | None = None, name: str | None = None,
                             op: int | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                             process_set: ProcessSet = global_process_set) -> int:
-    return _handles.add(_ops.grouped_allreduce(tensors, name=name, op=_resolve_op(op, average),
-                                               prescale_factor=prescale_factor,
-                                               postscale_factor=postscale_factor, process_set=process_set),
-                        grouped=True)
+    return _handles.add(Group(_ops.grouped_allreduce(tensors, name=name, op=_resolve_op(op, average),
+                                                     prescale_factor=prescale_factor,
+                                                     postscale_factor=postscale_factor, process_set=process_set)))
 
 
 def grouped_allreduce(tensors: Sequence[np.ndarray], average: bool | None = None, name: str | None = None,
@@ -147,8 +143,8 @@ def grouped_allreduce(tensors: Sequence[np.ndarray], average: bool | None = None
                       process_set: ProcessSet = global_process_set) -> list[np.ndarray]:
     if not tensors:
         return list(tensors)
-    return synchronize(grouped_allreduce_async(tensors, average, name, op, prescale_factor, postscale_factor,
-                                               process_set))
+    return list(synchronize(grouped_allreduce_async(tensors, average, name, op, prescale_factor,
+                                                    postscale_factor, process_set)))
 
 
 # ---------------------------------------------------------------------- allgather
@@ -165,14 +161,14 @@ def allgather(tensor: np.ndarray, name: str | None = None,
 
 def grouped_allgather_async(tensors: Sequence[np.ndarray], name: str | None = None,
                             process_set: ProcessSet = global_process_set) -> int:
-    return _handles.add(_ops.grouped_allgather(tensors, name=name, process_set=process_set), grouped=True)
+    return _handles.add(Group(_ops.grouped_allgather(tensors, name=name, process_set=process_set)))
 
 
 def grouped_allgather(tensors: Sequence[np.ndarray], name: str | None = None,
                       process_set: ProcessSet = global_process_set) -> list[np.ndarray]:
     if not tensors:
         return list(tensors)
-    return synchronize(grouped_allgather_async(tensors, name, process_set))
+    return list(synchronize(grouped_allgather_async(tensors, name, process_set)))
 
 
 # ---------------------------------------------------------------------- broadcast
@@ -243,9 +239,9 @@ def reducescatter(tensor: np.ndarray, name: str | None = None, op: int = Average
 def grouped_reducescatter_async(tensors: Sequence[np.ndarray], name: str | None = None, op: int = Average,
                                 process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
                                 postscale_factor: float = 1.0) -> int:
-    return _handles.add(_ops.grouped_reducescatter(tensors, name=name, op=op, prescale_factor=prescale_factor,
-                                                   postscale_factor=postscale_factor, process_set=process_set),
-                        grouped=True)
+    return _handles.add(Group(_ops.grouped_reducescatter(tensors, name=name, op=op,
+                                                         prescale_factor=prescale_factor,
+                                                         postscale_factor=postscale_factor, process_set=process_set)))
 
 
 def grouped_reducescatter(tensors: Sequence[np.ndarray], name: str | None = None, op: int = Average,
@@ -253,8 +249,8 @@ def grouped_reducescatter(tensors: Sequence[np.ndarray], name: str | None = None
                           postscale_factor: float = 1.0) -> list[np.ndarray]:
     if not tensors:
         return list(tensors)
-    return synchronize(grouped_reducescatter_async(tensors, name, op, process_set, prescale_factor,
-                                                   postscale_factor))
+    return list(synchronize(grouped_reducescatter_async(tensors, name, op, process_set, prescale_factor,
+                                                        postscale_factor)))
 
 
 # ---------------------------------------------------------------------- join / barrier

@@ -192,16 +192,14 @@ def _tuple(pending: _Pending) -> _Pending:
 # ---------------------------------------------------------------------- handles
 def poll(handle: int) -> bool:
     """True if the asynchronous operation behind ``handle`` has completed (with or without error)."""
-    pending, _ = _handle_map.peek(handle)
-    return pending.done()
+    return _handle_map.poll(handle)
 
 
 def synchronize(handle: int):
     """Wait for an asynchronous operation and return its output (a tuple for grouped handles and for
     ``alltoall``: ``(output, received_splits)``).  Raises ``HorovodInternalError`` if it failed, and
     ``ValueError`` for an unknown or already synchronized handle (upstream returned None)."""
-    pending, _ = _handle_map.pop(handle)
-    return pending.wait()
+    return _handle_map.synchronize(handle)
 
 
 # ---------------------------------------------------------------------- allreduce
@@ -312,7 +310,7 @@ def grouped_allreduce_async(tensors: Sequence[torch.Tensor], average: bool | Non
     """Start one allreduce of several tensors (negotiated and fused together); ``synchronize`` returns a
     tuple."""
     return _handle_map.add(_tuple(_allreduce_pending(tensors, False, True, average, name, op, prescale_factor,
-                                                     postscale_factor, process_set)), grouped=True)
+                                                     postscale_factor, process_set)))
 
 
 def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | None = None,
@@ -320,7 +318,7 @@ def grouped_allreduce_async_(tensors: Sequence[torch.Tensor], average: bool | No
                              postscale_factor: float = 1.0, process_set: ProcessSet = global_process_set) -> int:
     """In-place ``grouped_allreduce_async``."""
     return _handle_map.add(_tuple(_allreduce_pending(tensors, True, True, average, name, op, prescale_factor,
-                                                     postscale_factor, process_set)), grouped=True)
+                                                     postscale_factor, process_set)))
 
 
 def grouped_allreduce_(tensors: Sequence[torch.Tensor], average: bool | None = None, name: str | None = None,
@@ -366,7 +364,7 @@ def allgather(tensor: torch.Tensor, name: str | None = None,
 
 def grouped_allgather_async(tensors: Sequence[torch.Tensor], name: str | None = None,
                             process_set: ProcessSet = global_process_set) -> int:
-    return _handle_map.add(_tuple(_allgather_pending(tensors, True, name, process_set)), grouped=True)
+    return _handle_map.add(_tuple(_allgather_pending(tensors, True, name, process_set)))
 
 
 def grouped_allgather(tensors: Sequence[torch.Tensor], name: str | None = None,
@@ -455,7 +453,7 @@ def grouped_reducescatter_async(tensors: Sequence[torch.Tensor], name: str | Non
                                 process_set: ProcessSet = global_process_set, prescale_factor: float = 1.0,
                                 postscale_factor: float = 1.0) -> int:
     return _handle_map.add(_tuple(_reducescatter_pending(tensors, True, name, op, process_set, prescale_factor,
-                                                         postscale_factor)), grouped=True)
+                                                         postscale_factor)))
 
 
 def grouped_reducescatter(tensors: Sequence[torch.Tensor], name: str | None = None, compression=Compression.none,

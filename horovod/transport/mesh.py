@@ -50,6 +50,7 @@ from typing import Any, Protocol
 from horovod.common import auth
 from horovod.common.config import read_env
 from horovod.common.exceptions import WireError
+from horovod.transport import netif
 from horovod.transport import tls as tls_mod
 from horovod.transport.communicator import PeerFailure
 from horovod.transport.wire import HEADER, MAGIC, VERSION, Channel, make_channel
@@ -121,12 +122,9 @@ def advertise_address(iface_addr: str | None = None, rendezvous_host: str | None
     if iface_addr:
         return iface_addr
     if rendezvous_host:
-        try:
-            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-                probe.connect((rendezvous_host, 9))  # UDP connect sends nothing; it only picks a route
-                return probe.getsockname()[0]
-        except OSError:
-            pass
+        route = netif.route_source(rendezvous_host)
+        if route:
+            return route
     try:
         return socket.gethostbyname(hostname or socket.gethostname())
     except OSError:

@@ -26,12 +26,12 @@ import dataclasses
 import json
 import logging
 import os
-import socket
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
+from horovod.transport import netif
 from horovod.transport.communicator import Communicator, ReduceOp
 
 __all__ = ["LaunchEnv", "detect_launch", "import_mpi", "MpiJob", "MpiStore", "MpiCommunicator",
@@ -177,25 +177,8 @@ def _bcast_bytes(comm: Any, value: bytes | None, size: int, root: int = 0) -> by
 
 
 def _local_ipv4() -> list[str]:
-    try:
-        import psutil
-
-        return [e.address for entries in psutil.net_if_addrs().values() for e in entries
-                if e.family == socket.AF_INET and not e.address.startswith("127.")]
-    except Exception:  # noqa: BLE001 - psutil missing: no candidates, the mesh falls back to the hostname
-        return []
-
-
-def _iface_address(name: str) -> str | None:
-    try:
-        import psutil
-
-        for e in psutil.net_if_addrs().get(name, []):
-            if e.family == socket.AF_INET:
-                return e.address
-    except Exception:  # noqa: BLE001
-        pass
-    return None
+    """This host's non-loopback IPv4 addresses (the candidates other nodes may reach it at)."""
+    return [a for addrs in netif.interface_addresses().values() for a in addrs if not a.startswith("127.")]
 
 
 @dataclasses.dataclass
@@ -274,7 +257,7 @@ def _choose_address(rank: int, leaders: list[int], candidates: list[list[str]], 
     """The address this rank listens on: the named interface, loopback for a one-node job, else the source
     address of the route to another node."""
     if iface:
-        addr = _iface_address(iface)
+        addr = netif.interface_address(iface)
         if addr:
             return addr
         logger.warning("HOROVOD_GLOO_IFACE=%s has no IPv4 address on this host; choosing by route", iface)

@@ -52,7 +52,8 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from horovod.common.config import EnvVarError, parse_int, read_env, start_timeout
+from horovod.common.config import EnvVarError, is_set, parse_int, read_env, start_timeout
+from horovod.transport import netif
 
 __all__ = ["TorchrunEnv", "detect", "join", "key_file_path", "MIN_KEY_BYTES"]
 
@@ -113,7 +114,7 @@ def detect(env: Mapping[str, str] | None = None) -> TorchrunEnv | None:
         EnvVarError: a torchrun variable is missing or malformed (the text names it and its value).
     """
     env = os.environ if env is None else env
-    if env.get("HOROVOD_RANK", "").strip() or env.get("HOROVOD_ELASTIC", "").strip():
+    if is_set("HOROVOD_RANK", env) or read_env("HOROVOD_ELASTIC", env):
         return None
     if not (all(env.get(v, "").strip() for v in ("MASTER_ADDR", "RANK", "WORLD_SIZE"))
             or env.get("TORCHELASTIC_RUN_ID", "").strip()):
@@ -201,18 +202,6 @@ def _remove_key_file() -> None:
 
 
 # ---------------------------------------------------------------------------------------------- addresses
-def _local_addresses() -> dict[str, str]:
-    """Every address of this host -> its interface name."""
-    import psutil
-
-    found = {}
-    for name, entries in psutil.net_if_addrs().items():
-        for e in entries:
-            if e.family in (socket.AF_INET, socket.AF_INET6):
-                found[e.address.split("%", 1)[0]] = name
-    return found
-
-
 def _resolve(host: str) -> list[str]:
     try:
         infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
@@ -233,20 +222,9 @@ def _is_loopback(addr: str) -> bool:
         return False
 
 
-def _route_to(host: str) -> str | None:
-    """The local address of this host's route to ``host`` (None: no route)."""
-    from horovod.transport.mesh import advertise_address
-
-    try:
-        socket.getaddrinfo(host, None)
-    except OSError:
-        return None
-    return advertise_address(None, host, None)
-
-
 def _store_addresses(tr: TorchrunEnv) -> list[str]:
     """The addresses rank 0's store listens on (the first one is what rank 0 itself connects to)."""
-    local = _local_addresses()
+    local = netif.local_addresses()
     mine = [a for a in _resolve(tr.master_addr) if a in local]
     mine.sort(key=lambda a: ":" in a)  # IPv4 first
     if tr.one_host:
@@ -397,7 +375,7 @@ def join(tr: TorchrunEnv) -> None:
               "node": f"group {tr.group_rank}" if tr.group_rank is not None and tr.local_rank is not None
               else hostname,
               "local_rank": tr.local_rank, "local_size": tr.local_world_size,
-              "addr": _route_to(addr) or "", "token": token}
+              "addr": netif.route_source(addr) or "", "token": token}
     while True:
         client = StoreClient(addr, port, key, timeout=max(1.0, min(10.0, deadline - time.monotonic())))
         try:
@@ -501,7 +479,7 @@ def _iface_for_other_hosts(my_addr: str, hostname: str, layout: dict[str, Any]) 
         return None
     for host, addr in zip(layout["hosts"], layout["addrs"]):
         if host != hostname and addr and not _is_loopback(addr):
-            route = _route_to(addr)
+            route = netif.route_source(addr)
             if route and not _is_loopback(route):
-                return _local_addresses().get(route)
+                return netif.local_addresses().get(route)
     return None

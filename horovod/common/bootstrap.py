@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import socket
 import threading
 import time
 
 from horovod.common import auth
-from horovod.common.config import read_env, start_timeout
+from horovod.common.config import is_set, read_env, start_timeout
 from horovod.runtime.engine import Topology
 from horovod.transport.communicator import PeerFailure
 
@@ -67,7 +66,7 @@ def use_mpi(comm) -> bool:
     """MPI bootstraps the job: an mpi4py communicator was passed, or mpirun/srun started this process."""
     if comm is not None and not isinstance(comm, (list, tuple)):
         return True
-    if os.environ.get("HOROVOD_RANK") or read_env("HOROVOD_CONTROLLER") == "gloo":
+    if is_set("HOROVOD_RANK") or read_env("HOROVOD_CONTROLLER") == "gloo":
         return False
     from horovod.transport.mpi import detect_launch
 

@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 __all__ = ["Knob", "KNOBS", "RuntimeConfig", "read_runtime_config", "EnvVar", "ENV_VARS", "EnvVarError",
-           "read_env", "explicit_knobs", "env_bool", "env_int", "env_float", "start_timeout", "format_number",
+           "read_env", "is_set", "explicit_knobs", "env_bool", "env_int", "env_float", "start_timeout", "format_number",
            "parse_bool", "parse_int", "parse_number", "parse_choice", "LOG_LEVELS",
            "DEFAULT_START_TIMEOUT", "DEFAULT_ELASTIC_TIMEOUT", "DEFAULT_STALL_SHUTDOWN_SECONDS"]
 
@@ -362,6 +362,14 @@ def read_env(name: str, environ: Mapping[str, str] | None = None) -> Any:
     var = ENV_VARS[name]
     text = _text(name, environ)
     return var.default if text is None else var.parse(name, text)
+
+
+def is_set(name: str, environ: Mapping[str, str] | None = None) -> bool:
+    """Whether the registered variable ``name`` has a value (not unset, not empty): e.g. ``HOROVOD_RANK``
+    set by a launcher, where its parsed value (0 by default) cannot tell."""
+    if name not in ENV_VARS:
+        raise KeyError(f"{name} is not in horovod.common.config.ENV_VARS; register it there")
+    return _text(name, environ) is not None
 
 
 def read_runtime_config(environ: Mapping[str, str] | None = None) -> RuntimeConfig:

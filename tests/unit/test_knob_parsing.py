@@ -117,7 +117,7 @@ def test_runtime_config_is_the_table():
 
 def test_every_variable_the_code_reads_is_registered():
     """A HOROVOD_* name read anywhere in the package must go through the registry (one parser)."""
-    read = re.compile(r"(?:read_env|env_int|env_float|env_bool|environ\.get|environ\[)\(?\s*f?[\"'](HOROVOD_[A-Z_]+)")
+    read = re.compile(r"(?:read_env|is_set|env_int|env_float|env_bool|environ\.get|environ\[)\(?\s*f?[\"'](HOROVOD_[A-Z_]+)")
     found = set()
     for path in PACKAGE.rglob("*.py"):
         found |= set(read.findall(path.read_text()))

@@ -23,8 +23,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from horovod.common.config import RuntimeConfig
+from horovod.common.config import RuntimeConfig, explicit_knobs
 from horovod.common.exceptions import SHUT_DOWN_MESSAGE, ShutdownError, WireError
+from horovod.runtime.autotune import ParameterManager, Params
 from horovod.runtime.coordinator import Coordinator, collective_failure
 from horovod.runtime.executor import CollectiveFailure, Executor
 from horovod.runtime.messages import (
@@ -52,6 +53,7 @@ DUPLICATE_NAME_MESSAGE = (
 _REQUESTS = 1
 _RESPONSES = 2
 _KEEPALIVE = 3  # payload: the sender's time.monotonic() as a big-endian double
+_PARAMS = 4  # rank 0 -> workers: autotune's next parameters (Params.pack), in order with the responses
 _STAMP = struct.Struct("!d")
 _SHUTDOWN_ACK_TIMEOUT = 5.0
 # Allreduces of at most this many bytes per batch travel with their request and are reduced by the
@@ -130,6 +132,11 @@ class Engine:
         self._draining: set[int] = set()  # peers with control frames still unread (e.g. after a collective)
         self._broken: tuple[str, float, int] | None = None  # a collective failed: (reason, when, peer)
         self._failed_entries: list[TensorEntry] = []  # their handles fail with the job's cause
+        self._executed = 0  # responses executed (where autotune switched, see autotune_history)
+        self.autotune_history: list[tuple[int, Params]] = []
+        """(responses executed before, parameters) for every autotune switch: equal on every rank."""
+        self._tune_hierarchy = False
+        self._tuner = self._make_tuner() if config.autotune and self.rank == 0 else None
         self.stopped = threading.Event()
         self._exited = False  # stopped.is_set() without a call, on the enqueue path
         self._spin_time = max(0.0, config.spin_wait_us) * 1e-6
@@ -276,6 +283,8 @@ class Engine:
         """One pass of the engine's work; whoever runs it holds ``_drive`` (the engine thread, or a caller
         waiting for a result).  ``events``: the driving caller's poll result (which channels are readable),
         None to poll the channels here."""
+        if self.timeline is not None:
+            self.timeline.mark_cycle()
         ready: set[int] = set()  # peers whose control frames were read now (not silent)
         channels = self._channels
         for fd, _ in self._ctrl.poll(0) if events is None else events:
@@ -421,6 +430,12 @@ class Engine:
                     raise WireError(f"unexpected frame kind {kind}")
                 batch = decode_requests(payload, peer)
             else:
+                if kind == _PARAMS:
+                    try:
+                        self._todo.append(_ParamsMarker(Params.unpack(payload)))
+                    except ValueError as e:
+                        raise WireError(str(e)) from None
+                    return
                 if kind != _RESPONSES:
                     raise WireError(f"unexpected frame kind {kind}")
                 seq, responses, shutdown, evicted = decode_responses(payload)
@@ -542,6 +557,9 @@ class Engine:
             return
         while self._todo and self._stop_reason is None:
             resp = self._todo.popleft()
+            if resp.type is None:  # autotune's parameters, at this point of the response stream
+                self._apply_params(resp.params)
+                continue
             if resp.type == RequestType.ERROR and resp.process_set_id == -1:
                 self._stop_reason = resp.error  # the coordinator's shutdown notice
                 break
@@ -568,8 +586,13 @@ class Engine:
                 self._notify_shutdown(self._stop_reason)
                 return
             self._outstanding -= len(entries) - entries.count(None)
+            self._executed += 1
             if resp.cache_ids and max(resp.cache_ids) >= 0:
                 self._record_cache(resp, entries)
+            if self._tuner is not None and resp.type == RequestType.ALLREDUCE and resp.process_set_id == 0:
+                params = self._tuner.update(resp.names, resp.nbytes())
+                if params is not None:
+                    self._publish_params(params)
 
     def _record_cache(self, resp: Response, entries: list) -> None:
         """Remember the cache ids a response assigned (and how to rebuild a compact response of each)."""
@@ -620,6 +643,69 @@ class Engine:
                                                                          reason, []))
         except (ConnectionError, OSError):
             pass
+
+    # ------------------------------------------------------------------ autotune
+    def _make_tuner(self) -> ParameterManager:
+        """Rank 0's parameter manager: what it may tune here, starting from the configured values."""
+        config = self.config
+        hierarchical = self._hierarchical()
+        initial = Params(hierarchical_allreduce=hierarchical and config.hierarchical_allreduce is not False,
+                         hierarchical_allgather=hierarchical and config.hierarchical_allgather is not False,
+                         cache_enabled=config.cache_capacity > 0, cycle_time_ms=max(0.0, config.cycle_time_ms),
+                         fusion_threshold=config.fusion_threshold)
+        tunable = {"fusion_threshold", "cycle_time_ms"}
+        if config.cache_capacity > 0:
+            tunable.add("cache_enabled")
+        if hierarchical:
+            tunable |= {"hierarchical_allreduce", "hierarchical_allgather"}
+        explicit = explicit_knobs()
+        if "cache_capacity" in explicit:
+            explicit.add("cache_enabled")
+        return ParameterManager(
+            initial, tunable - explicit, warmup_samples=config.autotune_warmup_samples,
+            steps_per_sample=config.autotune_steps_per_sample,
+            bayes_opt_max_samples=config.autotune_bayes_opt_max_samples,
+            noise=config.autotune_gaussian_process_noise, log_path=config.autotune_log)
+
+    def _hierarchical(self) -> bool:
+        """Whether the global set's collectives are two-level (several hosts, several ranks on each): only
+        then are hierarchical allreduce/allgather a choice autotune makes."""
+        if self.mesh is None or self.size == 1:
+            return False
+        from horovod.transport import choose_backend
+
+        return choose_backend(self.mesh, list(range(self.size)), self.config) == "hierarchical"
+
+    def _publish_params(self, params: Params) -> None:
+        """Rank 0: send the tuner's next parameters to every rank after the responses already sent, and
+        queue them after this rank's own: every rank applies them at the same point of the response stream
+        (fusion decisions, the cache and hierarchical collectives stay consistent)."""
+        if not self._tuner.active:
+            self._tuner = None  # done: the best parameters are the last to travel
+        payload = params.pack()
+        for r in range(1, self.size):
+            if self.mesh is None or r in self._closed_peers:
+                continue
+            try:
+                self._send_ctrl(r, _PARAMS, payload)
+            except (ConnectionError, OSError):
+                self._closed_peers.add(r)
+        self._todo.append(_ParamsMarker(params))
+
+    def _apply_params(self, params: Params) -> None:
+        self._cycle = max(0.0, params.cycle_time_ms) / 1000.0
+        coord = self.coordinator
+        if coord is not None:
+            coord.fusion_threshold = params.fusion_threshold
+            capacity = self.config.cache_capacity if params.cache_enabled else 0
+            if capacity != coord.cache_capacity:
+                coord.set_cache_capacity(capacity)
+        if not self.autotune_history:
+            self._tune_hierarchy = self._hierarchical()
+        if self._tune_hierarchy:
+            for comm in self._comms.values():
+                _set_hierarchy(comm, params)
+        self.autotune_history.append((self._executed, params))
 
     # ------------------------------------------------------------------ liveness and data-plane failures
     def _send_ctrl(self, peer: int, kind: int, payload) -> None:
@@ -766,6 +852,8 @@ class Engine:
                 from horovod.transport import make_communicator
 
                 comm = make_communicator(self.mesh, ranks, self.config)
+                if self.autotune_history and self._tune_hierarchy:
+                    _set_hierarchy(comm, self.autotune_history[-1][1])
             self._comms[set_id] = comm
         return comm
 
@@ -790,6 +878,8 @@ class Engine:
         if self.timeline is not None:
             self.timeline.close()
             self.timeline = None
+        if self._tuner is not None:
+            self._tuner.close()
         self.queue.close()
 
 
@@ -805,6 +895,23 @@ def liveness_deadline(config: RuntimeConfig) -> tuple[float | None, str]:
         if value and 0 < value < float("inf"):
             return float(value), knob
     return None, ""
+
+
+class _ParamsMarker:
+    """Autotune's parameters in the queue of responses to run (``type`` None tells it from a response)."""
+
+    __slots__ = ("params",)
+    type = None
+
+    def __init__(self, params: Params) -> None:
+        self.params = params
+
+
+def _set_hierarchy(comm: Communicator, params: Params) -> None:
+    """Switch a hierarchical communicator's two-level allreduce/allgather (others have no such choice)."""
+    if hasattr(comm, "allreduce_hierarchical"):
+        comm.allreduce_hierarchical = params.hierarchical_allreduce
+        comm.allgather_hierarchical = params.hierarchical_allgather
 
 
 class _PeerClock:

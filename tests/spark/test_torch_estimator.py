@@ -1,0 +1,177 @@
+"""``horovod.spark.torch.TorchEstimator`` on a real local Spark, 2 Horovod processes: tasks with known answers.
+
+* regression ``y = X @ w + b``: the trained weights within 0.02 of ``w``/``b``; ``transform`` row by row equal to
+  the returned model run here in one process; the validation column's rows are the validation data;
+* a checkpoint resume: a second ``fit`` with the same ``run_id`` continues the epochs from the stored checkpoint;
+* classification with sample weights: rows with wrong labels and weight 0 do not move the boundary (accuracy on
+  the true labels >= 0.95; ignoring the weights gives a visibly worse model), a metric in the history;
+* bad input: upstream's errors.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import cloudpickle
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.timeout(300)
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("pyspark", reason="pyspark is not installed (pip install 'horovod[spark]')", exc_type=ImportError)
+pytest.importorskip("pyarrow")
+
+from pyspark import cloudpickle as spark_cloudpickle  # noqa: E402
+
+from horovod.spark.common.store import Store  # noqa: E402
+from horovod.spark.torch import TorchEstimator, TorchModel  # noqa: E402
+
+for _pickler in (cloudpickle, spark_cloudpickle):
+    _pickler.register_pickle_by_value(sys.modules[__name__])  # executors and workers cannot import this module
+
+W, B = np.array([1.5, -2.0, 0.5]), 0.3
+
+
+@pytest.fixture(scope="module")
+def regression(estimator_spark):
+    from pyspark.ml.linalg import Vectors
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(320, 3))
+    y = x @ W + B
+    rows = [(i, Vectors.dense(v.tolist()), float(t), i % 5 == 0) for i, (v, t) in enumerate(zip(x, y))]
+    return estimator_spark.createDataFrame(rows, ["id", "features", "y", "is_val"])
+
+
+def _linear_estimator(store, model, **kwargs):
+    params = dict(num_proc=2, store=store, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.05),
+                  loss=torch.nn.functional.mse_loss, feature_cols=["features"], label_cols=["y"], batch_size=16,
+                  random_seed=1, partitions_per_process=2, verbose=1)
+    params.update(kwargs)
+    return TorchEstimator(**params)
+
+
+def test_regression_learns_transform_matches_and_resumes(regression, tmp_path):
+    store = Store.create(str(tmp_path))
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)
+    untouched = {k: v.clone() for k, v in model.state_dict().items()}
+    first = _linear_estimator(store, model, epochs=2, validation="is_val", run_id="linear").fit(regression)
+    assert isinstance(first, TorchModel) and first.getRunId() == "linear"
+    for k, v in model.state_dict().items():  # the user's model is not trained in place
+        torch.testing.assert_close(v, untouched[k])
+    history = first.getHistory()
+    assert [h["epoch"] for h in history] == [0, 1]
+    assert all("validation" in h for h in history)
+    assert history[1]["train"]["loss"] < history[0]["train"]["loss"]
+
+    # The validation rows (every fifth id) are the validation data, never the training data.
+    import pyarrow.parquet as pq
+
+    meta = store.get_data_metadata_path(store.get_train_data_path(0))
+    assert store.exists(meta)
+    val_y = sorted(pq.read_table(store.list_files(store.get_val_data_path(0), ".parquet")).column("y").to_pylist())
+    train_y = pq.read_table(store.list_files(store.get_train_data_path(0), ".parquet")).column("y").to_pylist()
+    expected_val = sorted(r["y"] for r in regression.filter("is_val").collect())
+    assert val_y == pytest.approx(expected_val) and len(train_y) == 256
+    assert not set(np.round(train_y, 9)) & set(np.round(val_y, 9))
+    assert store.exists(store.get_checkpoint_path("linear"))
+
+    # Same run_id, more epochs: resumes after epoch 1 from the checkpoint (model, optimizer, history).
+    resumed = _linear_estimator(store, model, epochs=6, validation="is_val", run_id="linear").fit(regression)
+    history = resumed.getHistory()
+    assert [h["epoch"] for h in history] == list(range(6))
+    assert history[:2] == first.getHistory()
+    assert history[2]["train"]["loss"] < first.getHistory()[0]["train"]["loss"] / 10
+    trained = resumed.getModel()
+    np.testing.assert_allclose(trained.weight.detach().numpy().ravel(), W, atol=0.02)
+    np.testing.assert_allclose(trained.bias.detach().numpy(), [B], atol=0.02)
+
+    out = resumed.transform(regression.select("id", "features"))
+    assert out.columns == ["id", "features", "y__output"]
+    rows = out.orderBy("id").collect()
+    assert len(rows) == 320
+    x = np.stack([r["features"].toArray() for r in rows])
+    with torch.no_grad():
+        local = trained(torch.from_numpy(x).float()).numpy().ravel()
+    predicted = np.array([r["y__output"] for r in rows])
+    np.testing.assert_allclose(predicted, local, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(predicted, x @ W + B, atol=0.05)
+
+
+def accuracy(output, label):
+    return (output.argmax(dim=1) == label).float().mean()
+
+
+class TwoInputs(torch.nn.Module):
+    """Logistic regression over two scalar feature columns (one input tensor each)."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(2, 2)
+
+    def forward(self, a, b):
+        return self.linear(torch.cat([a, b], dim=1))
+
+
+def test_classification_sample_weights_and_metrics(estimator_spark, tmp_path):
+    from pyspark.ml.linalg import DenseVector
+
+    rng = np.random.default_rng(1)
+    x = rng.uniform(-2, 2, size=(600, 2))
+    x = x[np.abs(x[:, 0] + x[:, 1]) > 0.3][:400]
+    truth = (x[:, 0] + x[:, 1] > 0).astype(int)
+    wrong = x[:, 0] > 0.8                        # a region whose labels are flipped ...
+    label = np.where(wrong, 1 - truth, truth)
+    weight = np.where(wrong, 0.0, 1.0)            # ... and weighted out
+    df = estimator_spark.createDataFrame(
+        [(float(a), float(b), int(t), float(w)) for (a, b), t, w in zip(x, label, weight)], ["a", "b", "label", "w"])
+
+    def fit(**kwargs):
+        torch.manual_seed(0)
+        model = TwoInputs()
+        return TorchEstimator(num_proc=2, store=Store.create(str(tmp_path)), model=model,
+                              optimizer=torch.optim.Adam(model.parameters(), lr=0.05),
+                              loss=torch.nn.CrossEntropyLoss(), metrics=[accuracy], feature_cols=["a", "b"],
+                              input_shapes=[[-1, 1], [-1, 1]], label_cols=["label"], batch_size=16, epochs=8,
+                              random_seed=2, partitions_per_process=2, verbose=0, **kwargs).fit(df)
+
+    weighted = fit(sample_weight_col="w")
+    history = weighted.getHistory()
+    assert set(history[-1]["train"]["all_metrics"]) == {"group_0_label"}
+    out = weighted.transform(df.select("a", "b")).collect()
+    assert isinstance(out[0]["label__output"], DenseVector)  # a vector prediction of a scalar label
+    predicted = np.array([r["label__output"].toArray() for r in out])
+    features = np.array([[r["a"], r["b"]] for r in out])
+    with torch.no_grad():
+        a, b = torch.from_numpy(features[:, :1]).float(), torch.from_numpy(features[:, 1:]).float()
+        local = weighted.getModel()(a, b)
+    np.testing.assert_allclose(predicted, local.numpy(), rtol=1e-5, atol=1e-6)
+    true_of = {(round(a, 9), round(b, 9)): t for (a, b), t in zip(x, truth)}
+    labels = np.array([true_of[(round(a, 9), round(b, 9))] for a, b in features])
+    assert (predicted.argmax(axis=1) == labels).mean() >= 0.95
+
+    unweighted = fit()
+    out = unweighted.transform(df.select("a", "b")).collect()
+    predicted = np.array([r["label__output"].toArray() for r in out])
+    assert (predicted.argmax(axis=1) == labels).mean() < 0.93  # the flipped rows do move an unweighted model
+
+
+def test_bad_input(regression, tmp_path):
+    store = Store.create(str(tmp_path))
+    model = torch.nn.Linear(3, 1)
+    with pytest.raises(ValueError, match='At most one of parameters "backend" and "num_proc" may be specified'):
+        from horovod.spark.common.backend import SparkBackend
+
+        _linear_estimator(store, model, backend=SparkBackend(2)).fit(regression)
+    with pytest.raises(ValueError, match=r"Column\(s\) \['nope'\] not found in the DataFrame"):
+        _linear_estimator(store, model, label_cols=["nope"]).fit(regression)
+    with pytest.raises(ValueError, match="only one of loss_constructors and loss parameters can be specified."):
+        _linear_estimator(store, model, loss_constructors=[torch.nn.MSELoss]).fit(regression)
+    with pytest.raises(ValueError, match="Optimizer parameter is required"):
+        _linear_estimator(store, model, optimizer=None).fit(regression)
+    with pytest.raises(ValueError, match="backward_passes_per_step must be > 0"):
+        _linear_estimator(store, model, backward_passes_per_step=0).fit(regression)
+    with pytest.raises(TypeError, match="unexpected parameter"):
+        _linear_estimator(store, model, epoch=3)

@@ -1,0 +1,197 @@
+"""TF2 custom training loop (``tf.function`` + ``hvd.DistributedGradientTape``) vs two independent processes.
+
+The model is MobileNetV2 (``weights=None``, 32x32x3 inputs, 10 classes: 158 trainable tensors, 2.2 M
+parameters), batch 8 per process, SGD, one TensorFlow thread per process (intra- and inter-op).  On a
+host with fewer cores than ``2 x`` what the model could use, two processes slow each other down whether
+they talk or not, so the bound for ``horovodrun -np 2`` is not twice one lone process but **two independent
+single processes run at the same time**.  The ratio is
+
+    np=2 samples/s / (samples/s of process A + samples/s of process B)    (median step times)
+
+Default (paired): one ``horovodrun -np 2`` launch in which every rank holds two copies of the model and
+alternates blocks of ``--block`` steps: a plain ``tf.function`` step that never talks to the other rank
+(both ranks run it at the same time: the two independent processes) and the same step with
+``DistributedGradientTape``.  Load from other jobs on a shared host hits both alike.  ``--separate``
+instead launches, per round, two plain ``python`` processes side by side and then ``horovodrun -np 2``
+(whole processes, as a user would run them, but a minute apart: on a busy host rounds differ by 3x).
+
+    python benchmarks/tf_tape_training.py                  # paired, prints a table and a JSON line
+    python benchmarks/tf_tape_training.py --separate --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+RESULT = "RESULT "
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def worker(args: argparse.Namespace) -> None:
+    import tensorflow as tf
+
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    tf.config.threading.set_inter_op_parallelism_threads(1)
+    import keras
+    import numpy as np
+
+    hvd = None
+    if args.horovod or args.paired:
+        import horovod.tensorflow as hvd
+
+        hvd.init()
+    rank = hvd.rank() if hvd else args.seed
+    keras.utils.set_random_seed(0)
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    rng = np.random.default_rng(rank)
+    x = tf.constant(rng.normal(size=(args.batch, 32, 32, 3)).astype(np.float32))
+    y = tf.constant(rng.integers(0, 10, size=args.batch))
+
+    def make_step(distributed: bool):
+        """A compiled training step of a fresh model (its variables broadcast when distributed)."""
+        model = keras.applications.MobileNetV2(weights=None, input_shape=(32, 32, 3), classes=10)
+        opt = keras.optimizers.SGD(0.01)
+
+        @tf.function
+        def train_step() -> tf.Tensor:
+            with tf.GradientTape() as tape:
+                loss = loss_fn(y, model(x, training=True))
+            if distributed:
+                tape = hvd.DistributedGradientTape(tape)
+            grads = tape.gradient(loss, model.trainable_variables)
+            opt.apply_gradients(zip(grads, model.trainable_variables))
+            return loss
+
+        train_step()  # builds the optimizer's variables before they are broadcast
+        if distributed:
+            hvd.broadcast_variables(model.variables, root_rank=0)
+            hvd.broadcast_variables(opt.variables, root_rank=0)
+        return train_step, model
+
+    def timed(step, n: int) -> list[float]:
+        times = []
+        for _ in range(n):
+            start = time.perf_counter()
+            step().numpy()
+            times.append(time.perf_counter() - start)
+        return times
+
+    if args.paired:
+        local, model = make_step(False)
+        dist, _ = make_step(True)
+        times: dict[str, list[float]] = {"local": [], "dist": []}
+        timed(local, args.warmup)
+        timed(dist, args.warmup)
+        for _ in range(args.rounds):
+            times["local"] += timed(local, args.block)
+            hvd.allreduce(tf.zeros(1), name="bench.sync")  # start the distributed block together
+            times["dist"] += timed(dist, args.block)
+        if rank == 0:
+            print(RESULT + json.dumps({"local_step_s": statistics.median(times["local"]),
+                                       "dist_step_s": statistics.median(times["dist"]),
+                                       "tensors": len(model.trainable_variables), "params": model.count_params(),
+                                       "load": os.getloadavg()[0]}), flush=True)
+        return
+    step, model = make_step(args.horovod)
+    times_ = timed(step, args.warmup + args.steps)[args.warmup:]
+    if not args.horovod or rank == 0:
+        print(RESULT + json.dumps({"step_s": statistics.median(times_), "tensors": len(model.trainable_variables),
+                                   "params": model.count_params()}), flush=True)
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HOROVOD_")}
+    env.update(PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    return env
+
+
+def _result(proc: subprocess.Popen, what: str) -> dict:
+    out, err = proc.communicate(timeout=900)
+    for line in out.splitlines():
+        if RESULT in line:
+            return json.loads(line.split(RESULT, 1)[1])
+    raise RuntimeError(f"{what} failed:\n{out[-3000:]}\n{err[-3000:]}")
+
+
+def _start(args: argparse.Namespace, extra: list[str], horovod: bool) -> subprocess.Popen:
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--batch", str(args.batch), "--steps",
+           str(args.steps), "--warmup", str(args.warmup), "--rounds", str(args.rounds), "--block",
+           str(args.block), *extra]
+    if horovod:
+        cmd = [sys.executable, "-m", "horovod.runner", "-np", "2", *cmd]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+
+
+def one_round(args: argparse.Namespace) -> dict:
+    """Two independent single processes at the same time, then ``horovodrun -np 2``."""
+    load = os.getloadavg()[0]
+    pair = [_start(args, ["--seed", str(i)], False) for i in range(2)]
+    singles = [_result(p, "single process") for p in pair]
+    dist = _result(_start(args, ["--horovod"], True), "horovodrun -np 2")
+    bound = sum(args.batch / s["step_s"] for s in singles)
+    np2 = 2 * args.batch / dist["step_s"]
+    return {"load": load, "single_step_s": [s["step_s"] for s in singles], "dist_step_s": dist["step_s"],
+            "bound_samples_per_s": bound, "np_samples_per_s": np2, "ratio": np2 / bound,
+            "tensors": dist["tensors"], "params": dist["params"]}
+
+
+def paired(args: argparse.Namespace) -> None:
+    """One ``horovodrun -np 2`` launch alternating plain and distributed blocks on every rank."""
+    load = os.getloadavg()[0]
+    r = _result(_start(args, ["--paired"], True), "horovodrun -np 2 (paired)")
+    bound = 2 * args.batch / r["local_step_s"]
+    np2 = 2 * args.batch / r["dist_step_s"]
+    print(f"tf.function + DistributedGradientTape, MobileNetV2 32x32: {r['tensors']} trainable tensors, "
+          f"{r['params'] / 1e6:.1f} M params, batch {args.batch}/process, 1 thread/process, paired "
+          f"({args.rounds} x {args.block} steps each), load average {load:.1f} -> {r['load']:.1f}")
+    print(f"two concurrent single processes: {bound:.1f} samples/s ({r['local_step_s'] * 1e3:.1f} ms/step)")
+    print(f"horovodrun -np 2:                {np2:.1f} samples/s ({r['dist_step_s'] * 1e3:.1f} ms/step)")
+    print(f"np=2 / two concurrent single processes: {np2 / bound:.3f}")
+    print(json.dumps({"benchmark": "tf_tape_training", "mode": "paired", "batch": args.batch, "ratio": np2 / bound,
+                      "bound_samples_per_s": bound, "np_samples_per_s": np2, "load": [load, r["load"]],
+                      "tensors": r["tensors"]}))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", type=int, default=8, help="samples per process per step")
+    parser.add_argument("--steps", type=int, default=40, help="timed steps per process")
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=6, help="alternations (paired: of step blocks; "
+                        "--separate: of launches)")
+    parser.add_argument("--block", type=int, default=10, help="paired: timed steps per block")
+    parser.add_argument("--separate", action="store_true", help="separate launches instead of paired blocks")
+    parser.add_argument("--paired", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--horovod", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args)
+        return
+    if not args.separate:
+        paired(args)
+        return
+    rounds = [one_round(args) for _ in range(args.rounds)]
+    first = rounds[0]
+    print(f"tf.function + DistributedGradientTape, MobileNetV2 32x32: {first['tensors']} trainable tensors, "
+          f"{first['params'] / 1e6:.1f} M params, batch {args.batch}/process, 1 thread/process")
+    print("| round | load avg | single A / B step ms | 2 singles samples/s | np=2 step ms | np=2 samples/s | ratio |")
+    print("|---|---|---|---|---|---|---|")
+    for i, r in enumerate(rounds, 1):
+        a, b = (s * 1e3 for s in r["single_step_s"])
+        print(f"| {i} | {r['load']:.1f} | {a:.1f} / {b:.1f} | {r['bound_samples_per_s']:.1f} | "
+              f"{r['dist_step_s'] * 1e3:.1f} | {r['np_samples_per_s']:.1f} | {r['ratio']:.3f} |")
+    ratio = statistics.median(r["ratio"] for r in rounds)
+    print(f"np=2 / two concurrent single processes: {ratio:.3f} (median of {len(rounds)} rounds)")
+    print(json.dumps({"benchmark": "tf_tape_training", "batch": args.batch, "ratio": ratio, "rounds": rounds}))
+
+
+if __name__ == "__main__":
+    main()

@@ -14,9 +14,9 @@ import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from horovod.base.config import read_runtime_config
 from horovod.base.reduce_ops import ReduceOp
 from horovod.common import bootstrap, logconfig, naming
-from horovod.common.config import read_runtime_config
 from horovod.runtime.engine import Engine, Topology
 from horovod.runtime.messages import Request, RequestType
 

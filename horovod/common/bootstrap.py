@@ -15,8 +15,8 @@ import socket
 import threading
 import time
 
-from horovod.common import auth
-from horovod.common.config import is_set, read_env, start_timeout
+from horovod.base import auth
+from horovod.base.config import is_set, read_env, start_timeout
 from horovod.runtime.engine import Topology
 from horovod.transport.communicator import PeerFailure
 

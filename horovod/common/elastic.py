@@ -26,8 +26,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from horovod.common.config import read_env
-from horovod.common.exceptions import HorovodInternalError, HostsUpdatedInterrupt
+from horovod.base.config import read_env
+from horovod.base.exceptions import HorovodInternalError, HostsUpdatedInterrupt
 
 __all__ = ["State", "ObjectState", "run_fn", "run", "HostUpdateResult", "WorkerNotificationManager",
            "get_notification_manager"]
@@ -194,7 +194,7 @@ class WorkerNotificationManager:
         with self._lock:
             if self._store is not None:
                 return
-            from horovod.common import auth
+            from horovod.base import auth
 
             addr = read_env("HOROVOD_GLOO_RENDEZVOUS_ADDR")
             port = read_env("HOROVOD_GLOO_RENDEZVOUS_PORT")

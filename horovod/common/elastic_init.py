@@ -27,8 +27,8 @@ import os
 import time
 from typing import Any
 
-from horovod.common import auth
-from horovod.common.config import read_env, start_timeout
+from horovod.base import auth
+from horovod.base.config import read_env, start_timeout
 
 __all__ = ["rendezvous", "hosts_baseline", "current_generation", "slot_name", "REMOVED_MESSAGE"]
 

@@ -52,7 +52,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from horovod.common.config import EnvVarError, is_set, parse_int, read_env, start_timeout
+from horovod.base.config import EnvVarError, is_set, parse_int, read_env, start_timeout
 from horovod.transport import netif
 
 __all__ = ["TorchrunEnv", "detect", "join", "key_file_path", "MIN_KEY_BYTES"]
@@ -324,7 +324,7 @@ def join(tr: TorchrunEnv) -> None:
             (the text names the rank and the variable), or the ranks did not meet within the start timeout.
     """
     global _key_file
-    from horovod.common import auth
+    from horovod.base import auth
     from horovod.transport.store import StoreClient, StoreError
 
     if tr.world_size == 1:

@@ -22,7 +22,7 @@ import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from horovod.common.exceptions import HorovodVersionMismatchError
+from horovod.base.exceptions import HorovodVersionMismatchError
 
 __all__ = [
     "EXTENSIONS", "get_ext_suffix", "get_extension_full_path", "check_extension", "extension_available",

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from horovod.base.exceptions import HorovodInternalError
 from horovod.common import ops as _ops
 from horovod.common.basics import (
     Adasum,
@@ -49,7 +50,6 @@ from horovod.common.basics import (
     start_timeline,
     stop_timeline,
 )
-from horovod.common.exceptions import HorovodInternalError
 from horovod.common.handles import Group, HandleMap
 from horovod.common.objects import allgather_object, broadcast_object
 from horovod.common.process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from horovod.common.config import RuntimeConfig, explicit_knobs
-from horovod.common.exceptions import SHUT_DOWN_MESSAGE, ShutdownError, WireError
+from horovod.base.config import RuntimeConfig, explicit_knobs
+from horovod.base.exceptions import SHUT_DOWN_MESSAGE, ShutdownError, WireError
 from horovod.runtime.autotune import ParameterManager, Params
 from horovod.runtime.coordinator import Coordinator, collective_failure
 from horovod.runtime.executor import CollectiveFailure, Executor

@@ -11,8 +11,8 @@ from collections.abc import Callable
 
 import numpy as np
 
+from horovod.base.exceptions import PreconditionError
 from horovod.base.reduce_ops import data_plane_op
-from horovod.common.exceptions import PreconditionError
 from horovod.runtime.messages import DTYPES, RequestType, Response
 from horovod.runtime.queue import TensorEntry, TensorQueue
 from horovod.runtime.scaling import scale_inplace, scaled_copy

@@ -4,7 +4,7 @@ The codec is fixed little-endian ``struct`` records — no pickle, no JSON: enco
 handful of C calls plus one small loop per full request, and a repeated step costs almost nothing: a cache
 hit travels as three int32s, and a response made only of entries every member has cached travels as its
 cache ids (the receiver rebuilds names, shapes and parameters from its own cache).  A malicious or
-corrupted frame can only fail validation, which raises :class:`~horovod.common.exceptions.WireError`.
+corrupted frame can only fail validation, which raises :class:`~horovod.base.exceptions.WireError`.
 
 Request batch (worker → coordinator)::
 
@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from horovod.common.exceptions import WireError
+from horovod.base.exceptions import WireError
 
 __all__ = ["RequestType", "Request", "Response", "DTYPES", "dtype_code", "dtype_name",
            "encode_requests", "decode_requests", "encode_responses", "decode_responses"]

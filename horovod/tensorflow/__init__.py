@@ -20,6 +20,7 @@ import logging
 
 import tensorflow as tf
 
+from horovod.base.exceptions import HorovodInternalError, HostsUpdatedInterrupt
 from horovod.common.basics import (
     ccl_built,
     cross_rank,
@@ -44,7 +45,6 @@ from horovod.common.basics import (
     start_timeline,
     stop_timeline,
 )
-from horovod.common.exceptions import HorovodInternalError, HostsUpdatedInterrupt
 from horovod.common.process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
 from horovod.tensorflow.compression import Compression
 from horovod.tensorflow.functions import (

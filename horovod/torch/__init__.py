@@ -16,6 +16,7 @@ See docs/torch.md for the differences from upstream (bfloat16/bool tensors, AMP 
 
 from __future__ import annotations
 
+from horovod.base.exceptions import HorovodInternalError
 from horovod.common.basics import (
     ccl_built,
     cross_rank,
@@ -37,7 +38,6 @@ from horovod.common.basics import (
     start_timeline,
     stop_timeline,
 )
-from horovod.common.exceptions import HorovodInternalError
 from horovod.common.process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
 from horovod.torch import elastic
 from horovod.torch.compression import Compression

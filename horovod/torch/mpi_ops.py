@@ -23,11 +23,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from horovod.base.exceptions import HorovodInternalError
 from horovod.base.reduce_ops import data_plane_op
 from horovod.common import basics
 from horovod.common import ops as _ops
 from horovod.common.basics import Adasum, Average, Max, Min, Product, Sum
-from horovod.common.exceptions import HorovodInternalError
 from horovod.common.handles import HandleMap
 from horovod.common.process_sets import ProcessSet, global_process_set
 from horovod.torch import device as _device

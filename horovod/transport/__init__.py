@@ -18,7 +18,7 @@ from __future__ import annotations
 import collections
 from collections.abc import Callable
 
-from horovod.common.config import RuntimeConfig
+from horovod.base.config import RuntimeConfig
 from horovod.transport.communicator import Communicator, PeerFailure, ReduceOp, apply_reduce
 from horovod.transport.mesh import Mesh, build_mesh
 

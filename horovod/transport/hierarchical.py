@@ -19,7 +19,7 @@ import logging
 
 import numpy as np
 
-from horovod.common.config import RuntimeConfig
+from horovod.base.config import RuntimeConfig
 from horovod.transport.buffers import copy_into, offsets, split_counts
 from horovod.transport.communicator import Communicator, ReduceOp
 from horovod.transport.mesh import Mesh

@@ -47,9 +47,9 @@ import threading
 import time
 from typing import Any, Protocol
 
-from horovod.common import auth
-from horovod.common.config import read_env
-from horovod.common.exceptions import WireError
+from horovod.base import auth
+from horovod.base.config import read_env
+from horovod.base.exceptions import WireError
 from horovod.transport import netif
 from horovod.transport import tls as tls_mod
 from horovod.transport.communicator import PeerFailure

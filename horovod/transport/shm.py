@@ -30,8 +30,8 @@ from typing import Any
 
 import numpy as np
 
-from horovod.common.config import RuntimeConfig
-from horovod.common.exceptions import WireError
+from horovod.base.config import RuntimeConfig
+from horovod.base.exceptions import WireError
 from horovod.transport.buffers import copy_into, offsets, place
 from horovod.transport.communicator import Communicator, PeerFailure, ReduceOp, reduce_into
 from horovod.transport.mesh import Mesh

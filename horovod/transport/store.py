@@ -28,7 +28,7 @@ import threading
 import time
 import urllib.parse
 
-from horovod.common import auth
+from horovod.base import auth
 from horovod.transport import tls as tls_mod
 
 __all__ = ["StoreClient", "InMemoryStore", "StoreError", "request_digest", "answer_digest", "sign_request",

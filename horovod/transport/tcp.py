@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from horovod.common.config import RuntimeConfig
+from horovod.base.config import RuntimeConfig
 from horovod.transport.buffers import copy_into, offsets, place, split_counts
 from horovod.transport.communicator import Communicator, ReduceOp, reduce_into
 from horovod.transport.mesh import Mesh

@@ -31,7 +31,7 @@ import socket
 import ssl
 from collections.abc import Mapping
 
-from horovod.common.config import EnvVarError, read_env
+from horovod.base.config import EnvVarError, read_env
 
 __all__ = ["JobCredentials", "JobTls", "TlsError", "make_credentials", "credentials_from_env", "job_tls",
            "resolve", "worker_env", "TLS_ENV", "CERT_ENV", "KEY_ENV", "INSTALL_HINT"]

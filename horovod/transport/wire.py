@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from horovod.common.exceptions import WireError
+from horovod.base.exceptions import WireError
 from horovod.transport.communicator import PeerFailure
 
 __all__ = ["Channel", "TlsChannel", "make_channel", "TruncatedFrame", "MAGIC", "VERSION", "HEADER", "MAX_FRAME",

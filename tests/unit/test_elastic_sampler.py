@@ -117,7 +117,7 @@ def test_object_state_save_restore_sync_and_stateful_attributes():
 
 
 def test_check_host_updates_raises_with_skip_sync_for_removals():
-    from horovod.common.exceptions import HostsUpdatedInterrupt
+    from horovod.base.exceptions import HostsUpdatedInterrupt
 
     state = ObjectState(lambda obj, root_rank=0: obj, lambda: 1, epoch=0)
     state.check_host_updates()  # nothing queued

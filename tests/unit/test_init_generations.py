@@ -13,8 +13,8 @@ import time
 
 import pytest
 
+from horovod.base.exceptions import WireError
 from horovod.common.bootstrap import GenerationMismatch, _GenerationStore, _key_rank
-from horovod.common.exceptions import WireError
 from horovod.transport import build_mesh
 from horovod.transport.store import InMemoryStore, StoreError
 

@@ -2,7 +2,7 @@
 
 Before, ``HOROVOD_STALL_SHUTDOWN_TIME_SECONDS=5min`` (and ``3s``, ``abc`` ...) parsed to 0 -- "never" for the
 stall shutdown, "block forever" for other deadlines -- and ``inf`` raised a bare ``OverflowError``.  Now the
-one parser in ``horovod.common.config`` raises an ``EnvVarError`` (a ``ValueError``) naming the variable and
+one parser in ``horovod.base.config`` raises an ``EnvVarError`` (a ``ValueError``) naming the variable and
 the value, from ``hvd.init()`` in a worker and from ``horovodrun`` before any worker starts.
 """
 
@@ -18,8 +18,9 @@ from pathlib import Path
 import pytest
 
 import horovod
-from horovod.common import bootstrap, config
-from horovod.common.config import ENV_VARS, KNOBS, EnvVarError, RuntimeConfig, read_env, read_runtime_config
+from horovod.base import config
+from horovod.base.config import ENV_VARS, KNOBS, EnvVarError, RuntimeConfig, read_env, read_runtime_config
+from horovod.common import bootstrap
 from horovod.runner import knobs as knobs_mod
 from horovod.runner.launch import JobSpec, _run, make_parser, parse_args
 
@@ -117,7 +118,8 @@ def test_runtime_config_is_the_table():
 
 def test_every_variable_the_code_reads_is_registered():
     """A HOROVOD_* name read anywhere in the package must go through the registry (one parser)."""
-    read = re.compile(r"(?:read_env|is_set|env_int|env_float|env_bool|environ\.get|environ\[)\(?\s*f?[\"'](HOROVOD_[A-Z_]+)")
+    read = re.compile(r"(?:read_env|is_set|env_int|env_float|env_bool|environ\.get|environ\[)"
+                      r"\(?\s*f?[\"'](HOROVOD_[A-Z_]+)")
     found = set()
     for path in PACKAGE.rglob("*.py"):
         found |= set(read.findall(path.read_text()))

@@ -70,6 +70,18 @@ def test_no_import_circles_in_the_core():
     assert circles == []
 
 
+@pytest.mark.parametrize("package,allowed", [
+    ("horovod.base", ("horovod.base",)),
+    ("horovod.transport", ("horovod.base", "horovod.transport")),
+    ("horovod.runtime", ("horovod.base", "horovod.transport", "horovod.runtime")),
+])
+def test_lower_layers_import_only_what_is_below(package, allowed):
+    """The floor, the transport and the engine never reach into the facade (horovod.common) or above."""
+    graph = _graph()
+    outside = {(m, d) for m, deps in graph.items() if _in(m, (package,)) for d in deps if not _in(d, allowed)}
+    assert outside == set()
+
+
 @pytest.mark.parametrize("package,forbidden", [
     ("horovod.transport", ("horovod.runtime", "horovod.torch", "horovod.tensorflow", "horovod.runner")),
     ("horovod.runtime", ("horovod.torch", "horovod.tensorflow", "horovod.keras", "horovod.runner")),

@@ -21,7 +21,7 @@ import time
 import numpy as np
 import pytest
 
-from horovod.common.config import RuntimeConfig
+from horovod.base.config import RuntimeConfig
 from horovod.transport import ReduceOp, build_mesh, make_communicator
 from horovod.transport.mesh import _MAX_PREAUTH, _MAX_PREAUTH_BYTES, _PREAUTH_TIMEOUT
 from horovod.transport.store import InMemoryStore

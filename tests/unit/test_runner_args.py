@@ -2,7 +2,7 @@
 
 import pytest
 
-from horovod.common.config import KNOBS
+from horovod.base.config import KNOBS
 from horovod.runner import knobs
 from horovod.runner.build_info import check_build
 from horovod.runner.hosts import HostInfo, SlotInfo
@@ -218,7 +218,7 @@ def test_upstream_knob_spellings():
 
 
 def test_a_knob_added_to_the_table_is_a_flag_a_config_key_and_a_run_argument(monkeypatch, tmp_path):
-    from horovod.common import config
+    from horovod.base import config
 
     extra = config.Knob("demo_ratio", "HOROVOD_DEMO_RATIO", config.parse_number, 0.5, "--demo-ratio", float,
                         "A demo knob.", "params.demo_ratio")

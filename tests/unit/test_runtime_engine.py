@@ -10,8 +10,8 @@ import types
 import numpy as np
 import pytest
 
-from horovod.common.config import RuntimeConfig
-from horovod.common.exceptions import PreconditionError
+from horovod.base.config import RuntimeConfig
+from horovod.base.exceptions import PreconditionError
 from horovod.runtime.engine import Engine, Topology
 from horovod.runtime.messages import Request, RequestType, dtype_code
 from horovod.runtime.queue import TensorEntry, TensorQueue

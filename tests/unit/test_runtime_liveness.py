@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from transport_harness import Ctx, run_ranks
 
-from horovod.common.config import RuntimeConfig
+from horovod.base.config import RuntimeConfig
 from horovod.runtime.coordinator import Coordinator, collective_failure
 from horovod.runtime.engine import _PeerClock, liveness_deadline
 from horovod.runtime.messages import Request, RequestType, dtype_code

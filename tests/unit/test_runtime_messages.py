@@ -8,7 +8,7 @@ import struct
 import numpy as np
 import pytest
 
-from horovod.common.exceptions import WireError
+from horovod.base.exceptions import WireError
 from horovod.runtime.messages import (
     DTYPES,
     Request,

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 import horovod.numpy as hvd
+from horovod.base.exceptions import HorovodInternalError
 from horovod.common import basics
-from horovod.common.exceptions import HorovodInternalError
 from horovod.runtime.engine import DUPLICATE_NAME_MESSAGE
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -28,7 +28,7 @@ import cloudpickle
 import psutil
 import pytest
 
-from horovod.common import auth
+from horovod.base import auth
 from horovod.runner import rendezvous
 from horovod.runner.rendezvous import RendezvousServer
 from horovod.transport import store as store_mod

@@ -28,8 +28,8 @@ import time
 import numpy as np
 import pytest
 
-from horovod.common.config import EnvVarError, RuntimeConfig
-from horovod.common.exceptions import WireError
+from horovod.base.config import EnvVarError, RuntimeConfig
+from horovod.base.exceptions import WireError
 from horovod.runner.rendezvous import RendezvousServer
 from horovod.transport import tls as tls_mod
 from horovod.transport.communicator import PeerFailure, ReduceOp

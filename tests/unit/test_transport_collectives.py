@@ -170,7 +170,7 @@ def test_hierarchical():
 # -- backend choice -----------------------------------------------------------------------------------
 
 def _choose(ctx: Ctx) -> dict:
-    from horovod.common.config import RuntimeConfig
+    from horovod.base.config import RuntimeConfig
     from horovod.transport import choose_backend, make_communicator
 
     out = {"all": choose_backend(ctx.mesh, list(range(ctx.size)), ctx.config),

@@ -10,7 +10,7 @@ import threading
 
 import pytest
 
-from horovod.common.exceptions import WireError
+from horovod.base.exceptions import WireError
 from horovod.transport import build_mesh
 from horovod.transport.mesh import advertise_address
 from horovod.transport.store import InMemoryStore

@@ -12,7 +12,7 @@ import time
 import numpy as np
 import pytest
 
-from horovod.common.exceptions import WireError
+from horovod.base.exceptions import WireError
 from horovod.transport.communicator import PeerFailure
 from horovod.transport.wire import HEADER, MAX_FRAME, Channel, Transfer, TruncatedFrame, exchange
 

@@ -167,7 +167,7 @@ def test_check_installed_version(monkeypatch, tmp_path):
     with pytest.warns(UserWarning, match="installed with version 1.9.0 but found version 2.0.0"):
         hvd_util.check_installed_version("torch", "2.0.0")
     cause = RuntimeError("undefined symbol")
-    from horovod.common.exceptions import HorovodVersionMismatchError
+    from horovod.base.exceptions import HorovodVersionMismatchError
 
     with pytest.raises(HorovodVersionMismatchError) as info:
         hvd_util.check_installed_version("torch", "2.0.0", exception=cause)

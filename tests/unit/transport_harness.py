@@ -81,7 +81,7 @@ def _child(rank: int, size: int, root: str, fn: Callable[[Ctx], Any], args: Any,
 
     if _REPO not in sys.path:
         sys.path.insert(0, _REPO)
-    from horovod.common.config import RuntimeConfig
+    from horovod.base.config import RuntimeConfig
     from horovod.transport.mesh import build_mesh
 
     handler = _ListHandler()

@@ -507,7 +507,7 @@ def run_elastic(fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: Mappin
         max_num_proc = max_np if max_num_proc is None else max_num_proc
     sc = _spark_context()
     if start_timeout is None:
-        start_timeout = int(os.getenv("HOROVOD_SPARK_START_TIMEOUT", "600"))
+        start_timeout = read_env("HOROVOD_SPARK_START_TIMEOUT")
     if elastic_timeout is None:
         elastic_timeout = read_env("HOROVOD_ELASTIC_TIMEOUT")
     if num_proc is None:

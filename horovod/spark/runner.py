@@ -281,7 +281,7 @@ def run(fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: Mapping[str, A
         logger.warning("horovod.spark.run: extra_mpi_args is ignored (no mpirun under Spark)")
     sc = _spark_context()
     if start_timeout is None:
-        start_timeout = int(os.getenv("HOROVOD_SPARK_START_TIMEOUT", "600"))
+        start_timeout = read_env("HOROVOD_SPARK_START_TIMEOUT")
     if start_timeout <= 0:
         raise ValueError(f"start_timeout={start_timeout} must be > 0 seconds")
     if num_proc is None:

@@ -30,6 +30,7 @@ from typing import Any
 
 import ray
 
+from horovod.common.config import DEFAULT_START_TIMEOUT
 from horovod.ray.worker import BaseHorovodWorker
 from horovod.runner.elastic.discovery import HostDiscovery
 from horovod.runner.elastic.driver import ElasticDriver, _Worker
@@ -134,12 +135,11 @@ def _call_and_report(fn: Callable[[], Any]) -> Callable[[Any], tuple[int, Any]]:
     """The function each actor runs: ``fn()``, returned with the rank this worker ended with."""
 
     def call(_executable: Any) -> tuple[int, Any]:
-        import os
-
         value = fn()
         from horovod.common import basics
+        from horovod.common.config import read_env
 
-        rank = basics.rank() if basics.is_initialized() else int(os.environ.get("HOROVOD_RANK", "0"))
+        rank = basics.rank() if basics.is_initialized() else read_env("HOROVOD_RANK")
         return rank, value
 
     return call
@@ -306,7 +306,8 @@ class ElasticRayExecutor:
             discovery=s.discovery, min_workers=s.min_num_proc, max_workers=s.max_num_proc,
             num_workers=s.num_proc or s.min_num_proc, reset_limit=s.reset_limit,
             cooldown_range=getattr(s, "cooldown_range", None), elastic_timeout=s.elastic_timeout,
-            timeout_s=_seconds(getattr(s, "timeout_s", None) or getattr(s, "start_timeout", None) or 30),
+            timeout_s=_seconds(getattr(s, "timeout_s", None) or getattr(s, "start_timeout", None)
+                               or DEFAULT_START_TIMEOUT),
             cpus_per_worker=self.cpus_per_slot, gpus_per_worker=self.gpus_per_slot * int(self.use_gpu),
             nics=s.nics, env_vars=self.env_vars)
 

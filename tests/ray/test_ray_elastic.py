@@ -25,13 +25,12 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 try:
     import ray
+    from ray import cloudpickle  # without ray, `import ray` may find the namespace package tests/ray
 except ImportError:
     if os.environ.get("HOROVOD_TEST_REQUIRE_RAY") == "1":
         raise
     pytest.skip("ray is not installed (pip install 'horovod[ray]'); HOROVOD_TEST_REQUIRE_RAY=1 makes this a "
                 "failure", allow_module_level=True)
-
-from ray import cloudpickle  # noqa: E402
 
 from horovod.ray import ElasticRayExecutor, RayExecutor, RayHostDiscovery  # noqa: E402
 

@@ -11,7 +11,8 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 if os.environ.get("HOROVOD_TEST_REQUIRE_RAY") != "1":
-    pytest.importorskip("ray", reason="ray is not installed (pip install 'horovod[ray]')")
+    # ray.util: without ray, `import ray` may find the namespace package tests/ray
+    pytest.importorskip("ray.util", reason="ray is not installed (pip install 'horovod[ray]')")
 
 
 @pytest.mark.slow

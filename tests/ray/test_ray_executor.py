@@ -22,13 +22,14 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 try:
     import ray
+
+    # Ray's own cloudpickle pickles the functions; importing it also tells ray from the namespace package tests/ray
+    from ray import cloudpickle
 except ImportError:
     if os.environ.get("HOROVOD_TEST_REQUIRE_RAY") == "1":
         raise
     pytest.skip("ray is not installed (pip install 'horovod[ray]'); HOROVOD_TEST_REQUIRE_RAY=1 makes this a "
                 "failure", allow_module_level=True)
-
-from ray import cloudpickle  # noqa: E402  (Ray's own copy: the one that pickles the functions)
 
 from horovod.ray import BaseHorovodWorker, RayExecutor, WorkerDiedError, node_layout  # noqa: E402
 

@@ -48,7 +48,7 @@ class _DirStore:
 def _rank(rank: int, size: int, root: str, backend: str, sizes: list[int], piece: int | None,
           results: mp.Queue) -> None:
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from horovod.common.config import RuntimeConfig
+    from horovod.base.config import RuntimeConfig
     from horovod.transport import build_mesh
     from horovod.transport.communicator import ReduceOp
     from horovod.transport.shm import ShmCommunicator

@@ -135,7 +135,7 @@ def test_handler_prints_only_without_application_handlers(monkeypatch, restore_h
 
 
 def test_levels_cover_the_knob_choices():
-    from horovod.common.config import LOG_LEVELS
+    from horovod.base.config import LOG_LEVELS
 
     assert set(logconfig.LEVELS) == set(LOG_LEVELS)
     assert [logconfig.python_level(n) for n in LOG_LEVELS] == sorted(logconfig.python_level(n) for n in LOG_LEVELS)

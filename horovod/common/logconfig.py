@@ -24,7 +24,7 @@ logging.addLevelName(TRACE, "TRACE")
 
 LEVELS = {"TRACE": TRACE, "DEBUG": logging.DEBUG, "INFO": logging.INFO, "WARNING": logging.WARNING,
           "ERROR": logging.ERROR, "FATAL": logging.CRITICAL}
-"""``HOROVOD_LOG_LEVEL`` names (``horovod.common.config.LOG_LEVELS``) → Python levels."""
+"""``HOROVOD_LOG_LEVEL`` names (``horovod.base.config.LOG_LEVELS``) → Python levels."""
 
 _LETTERS = {TRACE: "T", logging.DEBUG: "D", logging.INFO: "I", logging.WARNING: "W", logging.ERROR: "E",
             logging.CRITICAL: "F"}

@@ -30,7 +30,7 @@ from typing import Any
 
 import ray
 
-from horovod.common.config import DEFAULT_START_TIMEOUT
+from horovod.base.config import DEFAULT_START_TIMEOUT
 from horovod.ray.worker import BaseHorovodWorker
 from horovod.runner.elastic.discovery import HostDiscovery
 from horovod.runner.elastic.driver import ElasticDriver, _Worker
@@ -136,8 +136,8 @@ def _call_and_report(fn: Callable[[], Any]) -> Callable[[Any], tuple[int, Any]]:
 
     def call(_executable: Any) -> tuple[int, Any]:
         value = fn()
+        from horovod.base.config import read_env
         from horovod.common import basics
-        from horovod.common.config import read_env
 
         rank = basics.rank() if basics.is_initialized() else read_env("HOROVOD_RANK")
         return rank, value

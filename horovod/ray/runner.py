@@ -187,8 +187,8 @@ class RayExecutor:
 
     def _start(self, executable_cls: type | None, executable_args: list | None, executable_kwargs: dict | None,
                extra_env_vars: dict) -> None:
-        from horovod.common import auth
-        from horovod.common.config import format_number
+        from horovod.base import auth
+        from horovod.base.config import format_number
         from horovod.runner.rendezvous import RendezvousServer
 
         bundle_of = self._reserve()
@@ -441,7 +441,7 @@ def _current_pg() -> Any:
 
 def _tls() -> tuple[dict[str, str], Any]:
     """``HOROVOD_TLS=1`` in the driver's environment: a job certificate for the store and the ranks."""
-    from horovod.common.config import read_env
+    from horovod.base.config import read_env
 
     if not read_env("HOROVOD_TLS"):
         return {}, None

@@ -34,7 +34,7 @@ def run(func: Callable[..., Any], args: Sequence[Any] = (), kwargs: dict[str, An
     process can read or replace them.
 
     ``**knobs`` are the runtime knobs of ``horovodrun``'s flags, named like the flags' destinations and
-    generated from the same table (:data:`horovod.common.config.KNOBS`): ``fusion_threshold_mb=32``,
+    generated from the same table (:data:`horovod.base.config.KNOBS`): ``fusion_threshold_mb=32``,
     ``cycle_time_ms=2.5``, ``timeline_filename="t.json"``, ``log_level="debug"``, ``tls=True`` ...
 
     Example::

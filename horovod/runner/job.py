@@ -13,7 +13,7 @@ import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from horovod.common import config as config_mod
+from horovod.base import config as config_mod
 from horovod.runner import hosts as hosts_mod
 from horovod.runner import knobs as knobs_mod
 
@@ -34,7 +34,7 @@ class JobSpec:
     """What to run, where and with which settings.  ``None`` means "not given": the default applies.
 
     ``knobs`` holds the runtime knobs that were given (flag, ``--config-file`` or ``horovod.run(**knobs)``),
-    keyed by :attr:`horovod.common.config.Knob.name` and in the flag's unit; only those are exported.
+    keyed by :attr:`horovod.base.config.Knob.name` and in the flag's unit; only those are exported.
     ``env`` is the workers' base environment (``None``: this process's).  ``run_func`` is
     ``(func, args, kwargs)`` for ``horovod.run``; otherwise ``command`` is the argv to start.
     """

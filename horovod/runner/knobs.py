@@ -1,6 +1,6 @@
 """The runtime-knob flags of ``horovodrun``, the ``--config-file`` and the env they become.
 
-Everything here is derived from :data:`horovod.common.config.KNOBS`, so a knob added to that table gets its
+Everything here is derived from :data:`horovod.base.config.KNOBS`, so a knob added to that table gets its
 flag, its config-file key and its exported variable without touching the launcher.
 """
 
@@ -12,7 +12,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from horovod.common.config import KNOBS, LOG_LEVELS, EnvVarError, Knob, parse_bool, read_runtime_config
+from horovod.base.config import KNOBS, LOG_LEVELS, EnvVarError, Knob, parse_bool, read_runtime_config
 
 __all__ = ["add_knob_arguments", "argument_group", "knob_dest", "knobs_from_args", "knobs_from_kwargs",
            "apply_config_file", "load_config_file", "knob_env", "validate_knobs", "LOG_LEVELS"]

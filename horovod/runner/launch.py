@@ -25,9 +25,9 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from horovod.common import auth
-from horovod.common import config as config_mod
-from horovod.common.config import DEFAULT_START_TIMEOUT
+from horovod.base import auth
+from horovod.base import config as config_mod
+from horovod.base.config import DEFAULT_START_TIMEOUT
 from horovod.runner import hosts as hosts_mod
 from horovod.runner import knobs as knobs_mod
 from horovod.runner.job import JobSpec, split_nics

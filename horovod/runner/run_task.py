@@ -14,7 +14,7 @@ import sys
 import traceback
 from collections.abc import Sequence
 
-from horovod.common.config import env_int, start_timeout
+from horovod.base.config import env_int, start_timeout
 
 __all__ = ["main"]
 
@@ -30,7 +30,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the stored function once; returns the process exit status."""
     import cloudpickle
 
-    from horovod.common import auth
+    from horovod.base import auth
     from horovod.transport.store import StoreClient, StoreError
 
     argv = sys.argv[1:] if argv is None else list(argv)

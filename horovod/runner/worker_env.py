@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from horovod.common import auth
-from horovod.common import config as config_mod
+from horovod.base import auth
+from horovod.base import config as config_mod
 from horovod.runner import hosts as hosts_mod
 
 __all__ = ["worker_env", "launcher_env"]

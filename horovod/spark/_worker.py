@@ -28,8 +28,8 @@ def main() -> int:
     """Run the job's function once; returns the process exit status."""
     import cloudpickle
 
-    from horovod.common import auth
-    from horovod.common.config import read_env, start_timeout
+    from horovod.base import auth
+    from horovod.base.config import read_env, start_timeout
     from horovod.transport.store import StoreClient, StoreError
 
     result_file, error_file = os.environ.get(RESULT_ENV), os.environ.get(ERROR_ENV)

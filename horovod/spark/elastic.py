@@ -202,7 +202,7 @@ def _wait_for_command(client: Any, host: str) -> dict[str, Any] | None:
 
 def _elastic_worker_env(settings: task_mod.TaskSettings, contract: dict[str, str], gpus: list[str],
                         result_file: str, error_file: str) -> dict[str, str]:
-    from horovod.common import auth
+    from horovod.base import auth
 
     env = task_mod.user_env(settings)
     env.update(contract)
@@ -494,7 +494,7 @@ def run_elastic(fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: Mappin
     """``horovod.spark.run_elastic`` (documented there)."""
     import cloudpickle
 
-    from horovod.common.config import read_env
+    from horovod.base.config import read_env
     from horovod.runner import spawn
     from horovod.runner.output import OutputSink
     from horovod.spark.runner import _driver_address, _env_overrides, _spark_context, _SparkJob

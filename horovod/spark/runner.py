@@ -269,8 +269,8 @@ def run(fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: Mapping[str, A
     """``horovod.spark.run`` (documented there)."""
     import cloudpickle
 
-    from horovod.common import auth
-    from horovod.common.config import read_env
+    from horovod.base import auth
+    from horovod.base.config import read_env
     from horovod.runner.rendezvous import RendezvousServer
 
     if use_mpi:

@@ -204,7 +204,7 @@ def _python_path() -> str:
 
 def user_env(settings: TaskSettings) -> dict[str, str]:
     """The executor's environment without any job credentials, then the user's ``env`` (``None`` deletes)."""
-    from horovod.common import auth
+    from horovod.base import auth
 
     env = dict(os.environ)
     for name in (auth.SECRET_KEY_ENV, "_HOROVOD_SECRET_KEY", "HOROVOD_TLS", "HOROVOD_TLS_CERT", "HOROVOD_TLS_KEY"):
@@ -220,7 +220,7 @@ def user_env(settings: TaskSettings) -> dict[str, str]:
 def _worker_env(settings: TaskSettings, assignment: dict[str, Any], gpus: list[str], result_file: str,
                 error_file: str) -> dict[str, str]:
     """The worker's environment: the executor's, then the user's ``env``, then the launcher contract."""
-    from horovod.common import auth
+    from horovod.base import auth
     from horovod.runner.hosts import SlotInfo
 
     env = user_env(settings)

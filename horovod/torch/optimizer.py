@@ -28,10 +28,10 @@ from typing import Any
 
 import torch
 
+from horovod.base.config import read_env
 from horovod.base.reduce_ops import predivide_scales
 from horovod.common import basics
 from horovod.common.basics import Adasum, Average
-from horovod.common.config import read_env
 from horovod.common.process_sets import ProcessSet, global_process_set
 from horovod.common.util import split_list
 from horovod.torch.compression import Compression, Compressor

@@ -249,7 +249,7 @@ def test_horovod_run_knob_arguments():
     """run()'s knob arguments come from the knob table: a flag's value reaches every worker's environment
     (MB -> bytes as for the flag) and hvd.init() applies it."""
     def settings():
-        from horovod.common.config import read_runtime_config
+        from horovod.base.config import read_runtime_config
 
         config = read_runtime_config()   # what hvd.init() parses
         return (os.environ["HOROVOD_FUSION_THRESHOLD"], config.fusion_threshold, config.log_level,

@@ -20,8 +20,8 @@ import time
 import numpy as np
 import pytest
 
+from horovod.base.config import EnvVarError
 from horovod.common import torchrun
-from horovod.common.config import EnvVarError
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))

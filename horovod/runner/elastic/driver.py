@@ -29,8 +29,8 @@ import threading
 import time
 from typing import Any
 
-from horovod.common import auth
-from horovod.common.config import ENV_VARS, format_number, read_env
+from horovod.base import auth
+from horovod.base.config import ENV_VARS, format_number, read_env
 from horovod.runner import hosts as hosts_mod
 from horovod.runner import spawn
 from horovod.runner.elastic.discovery import (

@@ -8,7 +8,8 @@ How an estimator uses it (``HorovodEstimator._fit``)::
 :func:`prepare_data` keeps the feature, label and sample-weight columns, turns ``VectorUDT`` columns into
 fixed-size ``array<double>`` columns (every row must have the same size), splits off the validation rows (a
 fraction: a seeded ``randomSplit``; a column: rows where it is true / > 0), and has Spark write
-``intermediate_{train,val}_data.<idx>`` with ``num_proc * partitions_per_process`` files at most.  The row counts
+``intermediate_{train,val}_data.<idx>`` with ``num_proc * partitions_per_process`` files at most (coalesced, never
+shuffled into more).  The row counts
 and byte sizes come from the Parquet footers; the per-column metadata (Spark type, flattened size, numpy dtype)
 is written beside the data as JSON.  A second ``fit`` of the same DataFrame (same plan, columns and split) in
 this driver reuses the files while they exist; a new one takes the lowest index no running fit holds.
@@ -242,8 +243,10 @@ def prepare_data(num_processes: int, store: Store, df: Any, label_columns: Seque
 
 
 def _write(store: Store, df: Any, path: str, partitions: int) -> None:
-    current = df.rdd.getNumPartitions()
-    df = df.coalesce(partitions) if current > partitions else df.repartition(partitions)
+    """Write ``df`` as Parquet at ``path`` in at most ``partitions`` files (fewer partitions are not shuffled into
+    more: the readers shard by rows, so any number of files gives every rank its rows)."""
+    if df.rdd.getNumPartitions() > partitions:
+        df = df.coalesce(partitions)
     store.delete(store.get_data_metadata_path(path))
     df.write.mode("overwrite").parquet(store.spark_path(path))
 

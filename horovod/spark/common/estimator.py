@@ -201,12 +201,8 @@ class HorovodModel(Model, ModelParams):
             raise ValueError(f"Feature column(s) {missing} not found in the DataFrame (its columns: {df.columns})")
         predict = self._predict_fn()
         metadata = self._get_metadata() or {}
-        first = df.select(*features).first()
-        if first is not None:
-            probe = predict({c: np.stack([_as_numpy(first[c])]) for c in features})
-            vector = [np.asarray(p).reshape(len(np.asarray(p)), -1).shape[1] > 1 for p in probe]
-        else:
-            vector = [False] * len(labels)
+        probe = predict(self._probe_batch(df, features, metadata))
+        vector = [np.asarray(p).reshape(len(np.asarray(p)), -1).shape[1] > 1 for p in probe]
         converters = [_output_converter(_label_type(metadata.get(label)), vec) for label, vec in zip(labels, vector)]
         schema = StructType(list(df.schema.fields) + [StructField(out, kind, True)
                                                       for out, (kind, _) in zip(outputs, converters)])
@@ -229,6 +225,18 @@ class HorovodModel(Model, ModelParams):
                 yield from flush(buffer)
 
         return df.sparkSession.createDataFrame(df.rdd.mapPartitions(partition), schema)
+
+    @staticmethod
+    def _probe_batch(df: Any, features: Sequence[str], metadata: dict[str, Any]) -> dict[str, np.ndarray]:
+        """One row of zeros shaped as the training data (no Spark job), or the DataFrame's first row."""
+        if all(c in metadata for c in features):
+            return {c: np.zeros((1, int(metadata[c]["shape"])) if metadata[c]["intermediate_format"] == "array"
+                                else (1,), dtype=metadata[c]["dtype"] if metadata[c]["dtype"] != "object" else None)
+                    for c in features}
+        first = df.select(*features).first()
+        if first is None:
+            raise ValueError("transform: the DataFrame is empty and the model has no metadata of its features")
+        return {c: np.stack([_as_numpy(first[c])]) for c in features}
 
     # --- persistence ---------------------------------------------------------------------------------------------
 

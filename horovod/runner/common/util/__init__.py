@@ -1,6 +1,6 @@
 """Upstream's ``horovod.runner.common.util``: the launcher helpers that user code and upstream's tests import.
 
 Each module keeps upstream's names and behaviour on top of our launcher (``horovod.runner.hosts``,
-``horovod.common.auth``...): ``codec``, ``env``, ``hosts``, ``safe_shell_exec``, ``secret``, ``settings``,
+``horovod.base.auth``...): ``codec``, ``env``, ``hosts``, ``safe_shell_exec``, ``secret``, ``settings``,
 ``timeout``.
 """

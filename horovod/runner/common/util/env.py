@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from horovod.common.config import LOG_LEVELS
+from horovod.base.config import LOG_LEVELS
 from horovod.runner.mpi_run import is_exportable
 
 __all__ = ["LOG_LEVEL_STR", "IGNORE_REGEXES", "KUBEFLOW_MPI_EXEC", "is_exportable", "get_env_rank_and_size",

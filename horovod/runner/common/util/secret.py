@@ -1,7 +1,7 @@
 """Upstream's ``secret``: the per-job key and HMAC-SHA256 digests over messages.
 
 ``HOROVOD_SECRET_KEY`` names the variable through which the launcher hands workers the key (hex, see
-``horovod.common.auth``); upstream called it ``_HOROVOD_SECRET_KEY``.
+``horovod.base.auth``); upstream called it ``_HOROVOD_SECRET_KEY``.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 
-from horovod.common import auth
+from horovod.base import auth
 
 __all__ = ["SECRET_LENGTH", "DIGEST_LENGTH", "HOROVOD_SECRET_KEY", "make_secret_key", "compute_digest",
            "check_digest"]

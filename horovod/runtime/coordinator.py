@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from horovod.base.config import RuntimeConfig
 from horovod.base.reduce_ops import data_plane_op
 from horovod.runtime.messages import DTYPES, Request, RequestType, Response
 from horovod.runtime.scaling import scale_inplace, scaled_copy
@@ -102,13 +103,16 @@ class _SetState:
     graveyard: dict[int, tuple[_CacheEntry, dict[int, int]]] = field(default_factory=dict)
 
 
+_DEFAULTS = RuntimeConfig()  # the knob table's defaults (a Coordinator built without a config: tests)
+
+
 class Coordinator:
     """Collects requests and produces, per rank, the ordered responses it must execute."""
 
     def __init__(self, size: int, process_sets: dict[int, list[int]], *, cache_capacity: int,
                  fusion_threshold: int, disable_group_fusion: bool = False, timeline=None,
-                 stall_warning: float = 60.0, stall_shutdown: float = 0.0, stall_disable: bool = False,
-                 failure_settle: float = 0.5, failure_wait: float = 30.0) -> None:
+                 stall_warning: float = _DEFAULTS.stall_check_time, stall_shutdown: float = 0.0,
+                 stall_disable: bool = False, failure_settle: float = 0.5, failure_wait: float = 30.0) -> None:
         self.size = size
         self.sets: dict[int, _SetState] = {i: _SetState(i, list(r)) for i, r in process_sets.items()}
         self.cache_capacity = cache_capacity

@@ -30,6 +30,7 @@ from horovod.base import config as config_mod
 from horovod.base.config import DEFAULT_START_TIMEOUT
 from horovod.runner import hosts as hosts_mod
 from horovod.runner import knobs as knobs_mod
+from horovod.runner import run_func
 from horovod.runner.job import JobSpec, split_nics
 from horovod.runner.worker_env import launcher_env, worker_env
 
@@ -37,10 +38,6 @@ __all__ = ["run_commandline", "parse_args", "make_parser", "job_from_args", "_ru
            "DEFAULT_START_TIMEOUT"]
 
 logger = logging.getLogger(__name__)
-
-RUN_FUNC_SCOPE = "runfunc"
-RUN_RESULT_SCOPE = "runfunc_result"
-
 
 def make_parser() -> argparse.ArgumentParser:
     """The ``horovodrun`` argument parser, in upstream's groups; knob flags come from the config table."""
@@ -257,23 +254,12 @@ def _check_build_text(verbose: bool) -> str:
 
 
 def _run_func_command(job: JobSpec, server: Any, addr: str, port: int) -> list[str]:
-    import cloudpickle
-
-    server.put(f"{RUN_FUNC_SCOPE}/func", cloudpickle.dumps(job.run_func))
-    executable = job.executable or sys.executable
-    return [executable, "-m", "horovod.runner.run_task", addr, str(port)]
+    server.put(run_func.FUNC_KEY, run_func.func_payload(job.run_func))
+    return run_func.worker_command(job.executable, addr, port)
 
 
 def _collect_results(server: Any, size: int) -> list[Any]:
-    import cloudpickle
-
-    results = []
-    for rank in range(size):
-        payload = server.get(f"{RUN_RESULT_SCOPE}/{rank}")
-        if payload is None:
-            raise RuntimeError(f"Process {rank} exited successfully but did not return a result.")
-        results.append(cloudpickle.loads(payload))
-    return results
+    return run_func.decode_results([server.get(f"{run_func.RESULT_SCOPE}/{rank}") for rank in range(size)])
 
 
 def _run_mpi(job: JobSpec, hosts: list[hosts_mod.HostInfo], knobs: dict[str, str],

@@ -1,4 +1,4 @@
-"""Worker side of ``horovod.run``: ``python -m horovod.runner.run_task <store addr> <store port>``.
+"""Worker side of ``horovod.run``: ``python -m horovod.runner.run_task [<store addr> <store port>]``.
 
 Fetches the pickled ``(func, args, kwargs)`` from the launcher's rendezvous store -- the only way it
 travels, so it is read only by processes holding the job key -- runs it and stores the pickled result
@@ -14,12 +14,19 @@ import sys
 import traceback
 from collections.abc import Sequence
 
-from horovod.base.config import env_int, start_timeout
+from horovod.base.config import env_int, read_env, start_timeout
+from horovod.runner.run_func import FUNC_KEY, RESULT_SCOPE
 
 __all__ = ["main"]
 
 
 def _rank() -> int:
+    """The rank this process ended with: Horovod's if it is initialized (elastic jobs change it), else the
+    launcher's (or mpirun's)."""
+    from horovod.common import basics
+
+    if basics.is_initialized():
+        return basics.rank()
     for name in ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK"):
         if os.environ.get(name):
             return env_int(name, 0)
@@ -34,18 +41,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     from horovod.transport.store import StoreClient, StoreError
 
     argv = sys.argv[1:] if argv is None else list(argv)
-    if len(argv) != 2:
-        sys.stderr.write("usage: python -m horovod.runner.run_task <store addr> <store port>\n")
+    if len(argv) not in (0, 2):
+        sys.stderr.write("usage: python -m horovod.runner.run_task [<store addr> <store port>]\n")
         return 2
+    # Elastic workers get the store's address from their environment (it depends on their host).
+    addr, port = argv if argv else (read_env("HOROVOD_GLOO_RENDEZVOUS_ADDR"), read_env("HOROVOD_GLOO_RENDEZVOUS_PORT"))
     key = auth.secret_key_from_env()
     if key is None:
         sys.stderr.write(f"horovod.runner.run_task: {auth.SECRET_KEY_ENV} is not set; start it with "
                          "horovod.run()\n")
         return 2
     timeout = start_timeout()
-    client = StoreClient(argv[0], int(argv[1]), key, timeout=timeout)
+    client = StoreClient(addr, int(port), key, timeout=timeout)
     try:
-        payload = client.get("runfunc/func")  # verified: signed with the job key, for this very request
+        payload = client.get(FUNC_KEY)  # verified: signed with the job key, for this very request
     except StoreError as e:
         sys.stderr.write(f"horovod.runner.run_task: cannot fetch the function to run: {e}\n")
         return 1
@@ -56,7 +65,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stderr.write(f"User function raise error: {e}\n")
         traceback.print_exc()
         return 1
-    client.put(f"runfunc_result/{_rank()}", cloudpickle.dumps(result))
+    client.put(f"{RESULT_SCOPE}/{_rank()}", cloudpickle.dumps(result))
     return 0
 
 

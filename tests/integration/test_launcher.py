@@ -265,6 +265,38 @@ def test_horovod_run_knob_arguments():
         horovod.run(_rank_env, fusion_threshold_mb=-1)
 
 
+def test_horovod_run_elastic(tmp_path):
+    """horovod.run() with elastic arguments runs under the elastic driver and returns the last generation's
+    results in rank order; a worker failing in generation 0 makes its host leave and the job go on."""
+    def train(marker):
+        import numpy as np
+
+        import horovod.numpy as hvd
+        from horovod.common import elastic
+
+        hvd.init()
+        state = elastic.ObjectState(hvd.broadcast_object, hvd.rank, steps=0)
+
+        @elastic.run
+        def loop(state):
+            while state.steps < 3:
+                total = hvd.allreduce(np.array([hvd.rank() + 1.0]), op=hvd.Sum)
+                if hvd.size() == 2 and hvd.rank() == 1 and not os.path.exists(marker):
+                    open(marker, "w").close()
+                    os._exit(3)   # dies in generation 0: its host is blacklisted, rank 0 goes on alone
+                state.steps += 1
+                state.commit()
+            return float(total[0])
+
+        total = loop(state)
+        return hvd.rank(), hvd.size(), total
+
+    results = horovod.run(train, args=(str(tmp_path / "died"),), min_np=1, max_np=2, np=2,
+                          hosts="localhost:1,127.0.0.1:1", start_timeout=30)
+    assert (tmp_path / "died").exists()
+    assert results == [(0, 1, 1.0)]
+
+
 def test_horovod_run_argument_errors():
     with pytest.raises(ValueError, match="Argument hosts and hostfile only allow one provided."):
         horovod.run(_rank_env, hosts="a:1", hostfile="f")

@@ -91,7 +91,8 @@ class ElasticDriver:
                  elastic_timeout: float, reset_limit: int | None, cooldown_range: tuple[int, int] | None,
                  nics: list[str] | None = None, output: spawn.OutputOptions | None = None,
                  stop_event: threading.Event | None = None, ssh_options: Any = None,
-                 grace: float | None = None) -> None:
+                 grace: float | None = None, store_items: dict[str, bytes] | None = None,
+                 result_scope: str | None = None) -> None:
         self.hosts = HostManager(discovery, cooldown_range)
         self.command = command
         self.num_proc = num_proc
@@ -109,6 +110,8 @@ class ElasticDriver:
         if grace is None:
             grace = read_env("HOROVOD_ELASTIC_GRACE_SECONDS", base_env)
         self.grace = grace
+        self.store_items = dict(store_items or {})  # put into the store before any worker starts
+        self.result_scope = result_scope  # run() returns <result_scope>/<rank> of the last generation
         self.key = auth.make_secret_key()
         self.tls: Any = None  # the job's TLS credentials (horovodrun --tls), made in run()
         self.server: Any = None
@@ -131,8 +134,12 @@ class ElasticDriver:
         return self.server.get(f"elastic/ready.{self.generation}/{slot}") is not None
 
     # ------------------------------------------------------------------ main loop
-    def run(self) -> None:
+    def run(self) -> list[bytes | None] | None:
         """Run the job until it succeeds.
+
+        Returns:
+            With ``result_scope``: what each rank of the last generation stored under
+            ``<result_scope>/<rank>`` (None where nothing), in rank order; else None.
 
         Raises:
             spawn.JobFailure: no worker succeeded (upstream's message names the first failure).
@@ -151,9 +158,14 @@ class ElasticDriver:
         self.server = RendezvousServer(self.key, addr=self._bind_address(), tls=job_tls)
         self.server.start()
         try:
+            for key, value in self.store_items.items():
+                self.server.put(key, value)
             self._wait_for_slots(self.num_proc, "to start")
             self._new_generation(survivors=set())
             self._loop()
+            if self.result_scope is None:
+                return None
+            return [self.server.get(f"{self.result_scope}/{rank}") for rank in range(len(self.plan.slots))]
         finally:
             self._terminate_all()
             self.server.stop()
@@ -436,15 +448,19 @@ def _discovery(job: JobSpec) -> HostDiscovery:
     raise ValueError("One of --host-discovery-script, --hosts, or --hostnames must be provided")
 
 
-def run_elastic(job: JobSpec, stop_event: threading.Event | None = None) -> None:
+def run_elastic(job: JobSpec, stop_event: threading.Event | None = None) -> list[Any] | None:
     """Run the elastic ``job`` (``launch._run`` calls this after :meth:`JobSpec.check`).
+
+    Returns:
+        For ``horovod.run()`` (``job.run_func``), the results of the last generation's first ``min_np``
+        ranks in rank order (upstream's "first min_np results"); else None.
 
     Raises:
         ValueError: bad arguments (upstream's texts).
         RuntimeError: the job failed (see :meth:`ElasticDriver.run`).
     """
-    if job.run_func is not None:
-        raise ValueError("horovod.run() in elastic mode is not supported yet; use horovodrun with a command.")
+    from horovod.runner import run_func
+
     num_proc, min_np, max_np = job.elastic_bounds()
     discovery = _discovery(job)
     ssh_options = None
@@ -452,10 +468,18 @@ def run_elastic(job: JobSpec, stop_event: threading.Event | None = None) -> None
         from horovod.runner.ssh import SshOptions
 
         ssh_options = SshOptions(port=job.ssh_port, identity_file=job.ssh_identity_file)
+    command: str | list[str] = job.command_line()
+    store_items = {}
+    if job.run_func is not None:
+        command = run_func.worker_command(job.executable)
+        store_items[run_func.FUNC_KEY] = run_func.func_payload(job.run_func)
     driver = ElasticDriver(
-        discovery, job.command_line(), num_proc=num_proc, min_np=min_np, max_np=max_np, base_env=job.base_env(),
+        discovery, command, num_proc=num_proc, min_np=min_np, max_np=max_np, base_env=job.base_env(),
         knobs=job.knob_env(), start_timeout=job.start_timeout_seconds(),
         elastic_timeout=job.elastic_timeout_seconds(), reset_limit=job.reset_limit,
         cooldown_range=job.cooldown_range, nics=job.nics, stop_event=stop_event, ssh_options=ssh_options,
-        output=spawn.OutputOptions(prefix_timestamp=job.prefix_output_with_timestamp))
-    driver.run()
+        output=spawn.OutputOptions(prefix_timestamp=job.prefix_output_with_timestamp), store_items=store_items,
+        result_scope=run_func.RESULT_SCOPE if job.run_func is not None else None)
+    payloads = driver.run()
+    # Upstream returns the first min_np results: the ranks every generation has.
+    return None if payloads is None else run_func.decode_results(payloads[:min_np])

@@ -191,6 +191,8 @@ class KerasEstimator(HorovodEstimator):
             raise ValueError("Optimizer must be provided either as a parameter or as part of a compiled model")
         model.compile(optimizer=optimizer, loss=self.getLoss(), loss_weights=self.getLossWeights(),
                       metrics=self.getMetrics())
+        if model.built and not optimizer.built:  # saved with its (zero) slots, so the workers load it whole
+            optimizer.build(model.trainable_variables)
         checkpoint = self._checkpoint_path(run_id)
         store = self.getStore()
         if checkpoint is not None and store.exists(checkpoint):
@@ -238,7 +240,8 @@ def _restore(keras: Any, model: Any, checkpoint: Any, run_id: str) -> None:
         logger.warning("horovod.spark: run %s resumes with the checkpoint's weights but a fresh %s (the "
                        "checkpoint's optimizer is %s)", run_id, type(optimizer).__name__, type(saved).__name__)
         return
-    optimizer.build(model.trainable_variables)
+    if not optimizer.built:
+        optimizer.build(model.trainable_variables)
     new, old = list(optimizer.variables), list(saved.variables)
     if [tuple(v.shape) for v in new] != [tuple(v.shape) for v in old]:
         logger.warning("horovod.spark: run %s: the checkpoint's optimizer state does not fit the model; it "

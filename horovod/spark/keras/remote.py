@@ -104,6 +104,13 @@ def _rank0_callbacks(keras: Any, spec: TrainSpec, callbacks: list, directory: st
     return callbacks, checkpoint
 
 
+def _stored_checkpoint(spec: TrainSpec) -> str | None:
+    from horovod.spark.keras.serialization import checkpoint_filename
+
+    remote = spec.remote_store
+    return f"{remote.run_path}/{checkpoint_filename(remote.checkpoint_filename)}" if remote.saving_runs else None
+
+
 def _datasets(spec: TrainSpec, rank: int, size: int, steps: int, val_steps: int | None) -> tuple[Any, Any]:
     """The training dataset (shuffled anew each pass) and the validation one (the same rows every epoch)."""
     from horovod.spark.common.reader import ShardReader
@@ -172,8 +179,8 @@ def train(spec: TrainSpec) -> tuple[dict[str, list[float]], bytes, int] | None:
         print(f"Training parameters: Epochs: {spec.epochs}, Scaled lr: {scaled_lr}, Shuffle: {spec.shuffle}, "
               f"random_seed: {spec.random_seed}\nTrain rows: {dataset.train_rows}, Train batch size: "
               f"{spec.batch_size}, Train_steps_per_epoch: {steps}\nVal rows: {dataset.val_rows}, Val batch size: "
-              f"{val_batch}, Val_steps_per_epoch: {val_steps}\nCheckpoint file: "
-              f"{spec.remote_store.checkpoint_path}, Logs dir: {spec.remote_store.logs_path}", flush=True)
+              f"{val_batch}, Val_steps_per_epoch: {val_steps}\nCheckpoint file: {_stored_checkpoint(spec)}, "
+              f"Logs dir: {spec.remote_store.logs_path}", flush=True)
     train_data, val_data = _datasets(spec, rank, size, steps, val_steps)
     with spec.remote_store.get_local_output_dir() as directory:
         callbacks = [hvd.callbacks.BroadcastGlobalVariablesCallback(root_rank=0),

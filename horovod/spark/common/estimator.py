@@ -201,7 +201,8 @@ class HorovodModel(Model, ModelParams):
             raise ValueError(f"Feature column(s) {missing} not found in the DataFrame (its columns: {df.columns})")
         predict = self._predict_fn()
         metadata = self._get_metadata() or {}
-        probe = predict(self._probe_batch(df, features, metadata))
+        batch = self._probe_batch(df, features, metadata)
+        probe = predict(batch) if batch is not None else [np.zeros((1, 1))] * len(labels)
         vector = [np.asarray(p).reshape(len(np.asarray(p)), -1).shape[1] > 1 for p in probe]
         converters = [_output_converter(_label_type(metadata.get(label)), vec) for label, vec in zip(labels, vector)]
         schema = StructType(list(df.schema.fields) + [StructField(out, kind, True)
@@ -227,15 +228,16 @@ class HorovodModel(Model, ModelParams):
         return df.sparkSession.createDataFrame(df.rdd.mapPartitions(partition), schema)
 
     @staticmethod
-    def _probe_batch(df: Any, features: Sequence[str], metadata: dict[str, Any]) -> dict[str, np.ndarray]:
-        """One row of zeros shaped as the training data (no Spark job), or the DataFrame's first row."""
+    def _probe_batch(df: Any, features: Sequence[str], metadata: dict[str, Any]) -> dict[str, np.ndarray] | None:
+        """One row of zeros shaped as the training data (no Spark job), else the DataFrame's first row (None:
+        empty); the model's answer to it tells which outputs are vectors."""
         if all(c in metadata for c in features):
             return {c: np.zeros((1, int(metadata[c]["shape"])) if metadata[c]["intermediate_format"] == "array"
                                 else (1,), dtype=metadata[c]["dtype"] if metadata[c]["dtype"] != "object" else None)
                     for c in features}
         first = df.select(*features).first()
         if first is None:
-            raise ValueError("transform: the DataFrame is empty and the model has no metadata of its features")
+            return None
         return {c: np.stack([_as_numpy(first[c])]) for c in features}
 
     # --- persistence ---------------------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ from typing import Any
 import cloudpickle
 import numpy as np
 
-from horovod.common import ops
+from horovod.common import basics, ops
 from horovod.common.process_sets import ProcessSet, global_process_set
 
 __all__ = ["broadcast_object", "allgather_object"]
@@ -31,8 +31,6 @@ def _loads(arr: np.ndarray) -> Any:
 def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
                      process_set: ProcessSet = global_process_set) -> Any:
     """Return ``root_rank``'s ``obj`` on every member of ``process_set``."""
-    from horovod.common import basics
-
     name = name or type(obj).__name__
     is_root = basics.rank() == root_rank
     payload = _dumps(obj) if is_root else np.zeros(0, np.uint8)

@@ -9,6 +9,7 @@ import time
 import numpy as np
 import pytest
 
+from horovod.base.reduce_ops import ReduceOp
 from horovod.runtime.coordinator import EVICTION_WARNING, Coordinator
 from horovod.runtime.messages import Request, RequestType, dtype_code
 
@@ -22,7 +23,7 @@ def make(size=2, sets=None, capacity=1024, threshold=1 << 20, **kw):
     return Coordinator(size, sets, cache_capacity=capacity, fusion_threshold=threshold, **kw)
 
 
-def ar(name, shape=(4,), dtype=F32, ps=0, op=1, pre=1.0, post=1.0):
+def ar(name, shape=(4,), dtype=F32, ps=0, op=ReduceOp.SUM, pre=1.0, post=1.0):
     return Request(RequestType.ALLREDUCE, ps, name, dtype, tuple(shape), -1, op, pre, post)
 
 
@@ -229,8 +230,8 @@ def test_fusion_by_threshold():
 
 def test_fusion_only_of_compatible_responses():
     c = make(size=2, threshold=1 << 20)
-    reqs = [ar("f32a"), ar("f64", dtype=F64), ar("f32b"), ar("avg", op=0), ar("pre", pre=2.0), ar("post", post=2.0),
-            ar("f32c"), bc("bcast"), ar("avg2", op=0)]
+    reqs = [ar("f32a"), ar("f64", dtype=F64), ar("f32b"), ar("avg", op=ReduceOp.AVERAGE), ar("pre", pre=2.0),
+            ar("post", post=2.0), ar("f32c"), bc("bcast"), ar("avg2", op=ReduceOp.AVERAGE)]
     submit_all(c, {0: reqs, 1: reqs})
     groups = names(c.take_responses(), 0)
     assert ("f32a", "f32b", "f32c") in groups
@@ -501,7 +502,7 @@ def test_stall_check_interval(caplog, warning):
 
 
 # ------------------------------------------------------------------------------------------------ inline
-def _inline(c, rank, name, arr, op=1, pre=1.0, post=1.0):
+def _inline(c, rank, name, arr, op=ReduceOp.SUM, pre=1.0, post=1.0):
     req = Request(RequestType.ALLREDUCE, 0, name, dtype_code(arr.dtype), arr.shape, -1, op, pre, post)
     req.inline = 0
     c.submit(rank, 0, None, [req], [], [arr.reshape(-1)])
@@ -511,7 +512,7 @@ def test_inline_small_allreduce_is_reduced_by_the_coordinator():
     c = make(size=3)
     xs = [np.array([1.5, -2.0, 3.0], np.float32) * (r + 1) for r in range(3)]
     for r in range(3):
-        _inline(c, r, "s", xs[r], op=1, pre=2.0, post=0.5)
+        _inline(c, r, "s", xs[r], op=ReduceOp.SUM, pre=2.0, post=0.5)
     [resp] = responses(c.take_responses(), 1)
     np.testing.assert_allclose(np.asarray(resp.data).reshape(-1), (xs[0] + xs[1] + xs[2]) * 2.0 * 0.5)
 
@@ -519,8 +520,8 @@ def test_inline_small_allreduce_is_reduced_by_the_coordinator():
 def test_inline_integer_average_truncates_and_joined_ranks_count():
     c = make(size=3)
     c.submit(2, 0, None, [join_req()], [])
-    _inline(c, 0, "i", np.array([-7, 7, 4], np.int32), op=0)
-    _inline(c, 1, "i", np.array([0, 1, 0], np.int32), op=0)
+    _inline(c, 0, "i", np.array([-7, 7, 4], np.int32), op=ReduceOp.AVERAGE)
+    _inline(c, 1, "i", np.array([0, 1, 0], np.int32), op=ReduceOp.AVERAGE)
     [resp] = [r for r in responses(c.take_responses(), 0) if r.type == RequestType.ALLREDUCE]
     # (sum of the two contributions) / 3 (the full size), truncated toward zero
     np.testing.assert_array_equal(np.asarray(resp.data).reshape(-1), [-2, 2, 1])
@@ -568,7 +569,7 @@ def test_a_hit_waiting_for_a_rank_that_changed_parameters_is_rebuilt():
     assert resp.cached_ids == []
 
 
-def _inline_batch(c, rank, arrays, ids=None, op=1, pre=1.0, post=1.0):
+def _inline_batch(c, rank, arrays, ids=None, op=ReduceOp.SUM, pre=1.0, post=1.0):
     """Rank ``rank`` submits ``arrays`` with their bytes (as full requests, or as hits on ``ids``)."""
     blobs = [a.reshape(-1) for a in arrays]
     if ids is None:

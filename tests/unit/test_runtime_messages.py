@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from horovod.base.exceptions import WireError
+from horovod.base.reduce_ops import ReduceOp
 from horovod.runtime.messages import (
     DTYPES,
     Request,
@@ -29,7 +30,7 @@ def sample_requests():
         Request(RequestType.ALLGATHER, 1, "ag", dtype_code(np.int64), (0, 5)),
         Request(RequestType.BROADCAST, 0, "bcast \u00e9\u4e2d", dtype_code(np.uint8), (), 2),
         Request(RequestType.ALLTOALL, 2, "a2a", dtype_code(np.bool_), (6,), splits=(1, 2, 3)),
-        Request(RequestType.REDUCESCATTER, 0, "rs", dtype_code(np.float16), (9, 1), reduce_op=1, device=0),
+        Request(RequestType.REDUCESCATTER, 0, "rs", dtype_code(np.float16), (9, 1), reduce_op=ReduceOp.SUM, device=0),
         Request(RequestType.JOIN, 0, "join.noname"),
         Request(RequestType.BARRIER, 3, "barrier.noname"),
     ]

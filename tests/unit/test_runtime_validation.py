@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from horovod.base.reduce_ops import ReduceOp
 from horovod.runtime.messages import Request, RequestType, dtype_code
 from horovod.runtime.validation import build_response, shape_str
 
@@ -13,7 +14,7 @@ I32 = dtype_code(np.int32)
 MEMBERS = [0, 1, 2]
 
 
-def req(rank, rtype=RequestType.ALLREDUCE, *, name="t", dtype=F32, shape=(17, 17), root=-1, op=1, pre=1.0,
+def req(rank, rtype=RequestType.ALLREDUCE, *, name="t", dtype=F32, shape=(17, 17), root=-1, op=ReduceOp.SUM, pre=1.0,
         post=1.0, splits=(), device=-1, ps=0):
     return Request(rtype, ps, name, dtype, tuple(shape), root, op, pre, post, -1, tuple(splits), device, rank)
 
@@ -83,7 +84,7 @@ def test_mismatched_scale_factors_reducescatter():
 
 
 def test_mismatched_reduce_op():
-    assert error_of([req(0, op=1), req(1, op=0), req(2, op=1)]) == \
+    assert error_of([req(0, op=ReduceOp.SUM), req(1, op=ReduceOp.AVERAGE), req(2, op=ReduceOp.SUM)]) == \
         "Mismatched reduction operation: One rank sent reduction op 1, but another rank sent reduction op 0."
 
 
@@ -145,8 +146,7 @@ def test_reducescatter_rank_zero_tensor():
 
 
 def test_reducescatter_only_average_and_sum():
-    text = error_of([req(0, RequestType.REDUCESCATTER, op=4), req(1, RequestType.REDUCESCATTER, op=4)],
-                    members=[0, 1])
+    text = error_of([req(r, RequestType.REDUCESCATTER, op=ReduceOp.MAX) for r in (0, 1)], members=[0, 1])
     assert text == "Reducescatter currently only supports AVERAGE and SUM."
 
 
@@ -186,9 +186,9 @@ def test_order_operation_before_shape():
 
 
 def test_order_shape_before_factors_before_op():
-    assert error_of([req(0), req(1, shape=(1,), pre=2.0, op=0)], members=[0, 1]).startswith(
+    assert error_of([req(0), req(1, shape=(1,), pre=2.0, op=ReduceOp.AVERAGE)], members=[0, 1]).startswith(
         "Mismatched ALLREDUCE tensor shapes")
-    assert error_of([req(0), req(1, pre=2.0, op=0)], members=[0, 1]).startswith("Mismatched prescale")
+    assert error_of([req(0), req(1, pre=2.0, op=ReduceOp.AVERAGE)], members=[0, 1]).startswith("Mismatched prescale")
 
 
 def test_order_root_rank_before_device():
@@ -212,12 +212,12 @@ def test_error_message_is_identical_whatever_the_arrival_order():
 
 # ---------------------------------------------------------------------------------------------- success
 def test_allreduce_response():
-    resp = ok([req(2, pre=0.5, post=3.0, op=0), req(0, pre=0.5, post=3.0, op=0), req(1, pre=0.5, post=3.0, op=0)])
+    resp = ok([req(r, pre=0.5, post=3.0, op=ReduceOp.AVERAGE) for r in (2, 0, 1)])
     assert resp.type == RequestType.ALLREDUCE
     assert resp.names == ["t"]
     assert resp.shapes == [(17, 17)]
     assert resp.dtype == F32
-    assert (resp.prescale, resp.postscale, resp.reduce_op) == (0.5, 3.0, 0)
+    assert (resp.prescale, resp.postscale, resp.reduce_op) == (0.5, 3.0, ReduceOp.AVERAGE)
 
 
 def test_allreduce_with_joined_rank_is_fine():

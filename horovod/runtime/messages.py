@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from horovod.base.exceptions import WireError
+from horovod.base.reduce_ops import ReduceOp
 
 __all__ = ["RequestType", "Request", "Response", "DTYPES", "dtype_code", "dtype_name",
            "encode_requests", "decode_requests", "encode_responses", "decode_responses"]
@@ -112,7 +113,7 @@ class Request:
     dtype: int = 0
     shape: tuple[int, ...] = ()
     root_rank: int = -1
-    reduce_op: int = 1
+    reduce_op: int = ReduceOp.SUM
     prescale: float = 1.0
     postscale: float = 1.0
     group_id: int = -1
@@ -151,7 +152,7 @@ class Response:
     dtype: int = 0
     shapes: list[tuple[int, ...]] = field(default_factory=list)
     root_rank: int = -1
-    reduce_op: int = 1
+    reduce_op: int = ReduceOp.SUM
     prescale: float = 1.0
     postscale: float = 1.0
     rank_dims: list[list[int]] = field(default_factory=list)

@@ -101,18 +101,7 @@ class TorchEstimator(HorovodEstimator):
 
     def _check_metadata_compatibility(self, dataset: Dataset) -> None:
         super()._check_metadata_compatibility(dataset)
-        features = self.getFeatureCols()
-        shapes = self.getInputShapes()
-        if shapes is not None:
-            if len(shapes) != len(features):
-                raise ValueError(f"input_shapes has {len(shapes)} shapes for {len(features)} feature columns "
-                                 f"{features}")
-            for column, shape in zip(features, shapes):
-                size = int(np.prod([d for d in shape if d != -1])) if shape else 1
-                column_size = int(dataset.metadata[column].get("shape") or 1)
-                if column_size and column_size % max(size, 1) != 0:
-                    raise ValueError(f"Feature column {column!r} holds {column_size} values per row, which do not "
-                                     f"fit input shape {list(shape)}")
+        check_input_shapes(self.getFeatureCols(), self.getInputShapes(), dataset.metadata)
         label_shapes = self.getLabelShapes()
         if label_shapes is not None and len(label_shapes) != len(self.getLabelCols()):
             raise ValueError(f"label_shapes has {len(label_shapes)} shapes for {len(self.getLabelCols())} labels")
@@ -159,6 +148,21 @@ class TorchEstimator(HorovodEstimator):
 
 add_accessors(TorchEstimator, {"input_shapes": None, "loss_constructors": None, "train_minibatch_fn": None,
                                "backward_passes_per_step": None, "data_module": None})
+
+
+def check_input_shapes(features: Sequence[str], shapes: Sequence[Sequence[int]] | None,
+                       metadata: dict[str, dict[str, Any]]) -> None:
+    """One shape per feature column, each holding the column's values per row (``-1``: the batch)."""
+    if shapes is None:
+        return
+    if len(shapes) != len(features):
+        raise ValueError(f"input_shapes has {len(shapes)} shapes for {len(features)} feature columns {list(features)}")
+    for column, shape in zip(features, shapes):
+        size = int(np.prod([d for d in shape if d != -1])) if shape else 1
+        column_size = int(metadata.get(column, {}).get("shape") or 1)
+        if column_size % max(size, 1) != 0:
+            raise ValueError(f"Feature column {column!r} holds {column_size} values per row, which do not fit input "
+                             f"shape {list(shape)}")
 
 
 def _as_list(value: Any) -> list[Any]:

@@ -1,0 +1,167 @@
+"""What every Horovod process of a Lightning ``TorchEstimator.fit`` runs: :func:`train` (shipped by ``SparkBackend``).
+
+Per process: ``hvd.init()``, then a Lightning ``Trainer`` with :class:`~.strategy.HorovodStrategy`
+over this rank's shard of the Parquet data.  The loaders are iterables of ``steps`` batches (the same number on
+every rank), each batch a dict ``{column: tensor}``: feature columns reshaped to ``input_shapes`` (default
+``[-1, size]``) in the module's floating dtype, label and sample-weight columns as stored (scalars ``(batch,)``,
+arrays ``(batch, size)``).  After each epoch every rank calls ``trainer.save_checkpoint`` (rank 0 writes) and
+rank 0 copies the local run directory (checkpoint, logs, a user ``ModelCheckpoint``'s files) to the run's path in
+the store.  A resumed run restores the whole checkpoint (module, optimizers, epoch, step) through
+``trainer.fit(ckpt_path=...)``.  Rank 0 returns the trained ``state_dict`` and ``trainer.logged_metrics``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["LightningSpec", "train"]
+
+logger = logging.getLogger("horovod.spark")
+
+
+@dataclass
+class LightningSpec:
+    """Everything the workers need, pickled once by the driver."""
+
+    model: Any
+    feature_columns: list[str]
+    label_columns: list[str]
+    sample_weight_col: str | None
+    input_shapes: list[list[int]]
+    remote_store: Any
+    dataset: Any
+    batch_size: int
+    val_batch_size: int
+    epochs: int
+    train_steps_per_epoch: int | None
+    validation_steps_per_epoch: int | None
+    shuffle: bool
+    seed: int | None
+    transformation_fn: Callable[[Any], Any] | None
+    inmemory_cache_all: bool
+    callbacks: list[Any]
+    logger: Any
+    log_every_n_steps: int
+    profiler: Any
+    trainer_args: dict[str, Any]
+    use_gpu: bool
+    mp_start_method: str | None
+    verbose: int
+    checkpoint: bytes | None = None
+
+
+class _Loader:
+    """``steps`` batches per iteration from an endless :class:`~horovod.spark.common.reader.ShardReader`."""
+
+    def __init__(self, reader: Any, steps: int, to_tensors: Callable[[dict], dict], restart: bool) -> None:
+        self.reader, self.steps, self.to_tensors, self.restart = reader, steps, to_tensors, restart
+
+    def __len__(self) -> int:
+        return self.steps
+
+    def __iter__(self) -> Any:
+        if self.restart:
+            self.reader.reset()  # validation: the same rows every epoch
+        for batch in self.reader.batches(self.steps):
+            yield self.to_tensors(batch)
+
+
+def _store_checkpoint_callback(pl: Any, path: str, remote_store: Any, rank: int) -> Any:
+    class StoreCheckpoint(pl.Callback):
+        """After each epoch: the full checkpoint (all ranks call, rank 0 writes), the run directory to the store."""
+
+        def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+            trainer.save_checkpoint(path)
+            if rank == 0 and remote_store.saving_runs:
+                remote_store.sync(os.path.dirname(path))
+
+    return StoreCheckpoint()
+
+
+def _default_logger(pl: Any, logs_dir: str) -> Any:
+    try:
+        import tensorboard  # noqa: F401
+
+        return pl.loggers.TensorBoardLogger(logs_dir, name="", version="")
+    except ImportError:
+        return pl.loggers.CSVLogger(logs_dir, name="", version="")
+
+
+def train(spec: LightningSpec) -> dict[str, Any] | None:
+    """Train on this process's shard (see the module docstring); rank 0 returns ``{model, logged_metrics}``."""
+    import multiprocessing
+
+    import torch
+
+    import horovod.torch as hvd
+    from horovod.spark.common.reader import ShardReader, steps_per_epoch
+    from horovod.spark.lightning.compat import pl
+    from horovod.spark.lightning.strategy import HorovodStrategy
+    from horovod.spark.torch import batches as tb
+
+    if spec.mp_start_method:
+        multiprocessing.set_start_method(spec.mp_start_method, force=True)
+    hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+    if spec.seed is not None:
+        pl.seed_everything(spec.seed, workers=True, verbose=False)
+    model = spec.model
+    dtype = tb.float_dtype(model)
+    columns = list(dict.fromkeys([*spec.feature_columns, *spec.label_columns,
+                                  *([spec.sample_weight_col] if spec.sample_weight_col else [])]))
+    others = [c for c in columns if c not in spec.feature_columns]
+
+    def to_tensors(batch: dict) -> dict:
+        inputs = tb.features(batch, spec.feature_columns, spec.input_shapes, dtype)
+        return {**dict(zip(spec.feature_columns, inputs)), **dict(zip(others, tb.labels(batch, others, dtype)))}
+
+    dataset, fs = spec.dataset, spec.remote_store.filesystem
+    common = dict(metadata=dataset.metadata, transformation_fn=spec.transformation_fn, cache=spec.inmemory_cache_all)
+    train_loader = _Loader(ShardReader(fs, dataset.train_data_path, columns, rank, size, spec.batch_size,
+                                       shuffle=spec.shuffle, seed=spec.seed, **common),
+                           steps_per_epoch(dataset.train_rows, spec.batch_size, size, spec.train_steps_per_epoch),
+                           to_tensors, restart=False)
+    val_loader = None
+    if dataset.val_data_path and dataset.val_rows:
+        val_loader = _Loader(ShardReader(fs, dataset.val_data_path, columns, rank, size, spec.val_batch_size,
+                                         shuffle=False, **common),
+                             steps_per_epoch(dataset.val_rows, spec.val_batch_size, size,
+                                             spec.validation_steps_per_epoch),
+                             to_tensors, restart=True)
+
+    with spec.remote_store.get_local_output_dir() as local_dir, tempfile.TemporaryDirectory() as scratch:
+        callbacks = list(spec.callbacks or [])
+        for callback in callbacks:
+            if isinstance(callback, pl.callbacks.ModelCheckpoint):
+                callback.dirpath = local_dir  # its files reach the store with the run directory
+        callbacks.append(_store_checkpoint_callback(
+            pl, os.path.join(local_dir, spec.remote_store.checkpoint_filename), spec.remote_store, rank))
+        cuda = spec.use_gpu and torch.cuda.is_available()
+        trainer_args = dict(
+            accelerator="gpu" if cuda else "cpu", devices=1, strategy=HorovodStrategy(use_gpu=spec.use_gpu),
+            max_epochs=spec.epochs, callbacks=callbacks, default_root_dir=local_dir, num_sanity_val_steps=0,
+            logger=spec.logger if spec.logger is not None else _default_logger(
+                pl, os.path.join(local_dir, spec.remote_store.logs_subdir)),
+            log_every_n_steps=spec.log_every_n_steps, use_distributed_sampler=False,
+            enable_progress_bar=spec.verbose >= 2 and rank == 0, enable_model_summary=spec.verbose >= 2 and rank == 0,
+            enable_checkpointing=any(isinstance(c, pl.callbacks.ModelCheckpoint) for c in callbacks),
+            profiler=spec.profiler)
+        trainer_args.update(spec.trainer_args or {})
+        trainer = pl.Trainer(**trainer_args)
+        resume = None
+        if spec.checkpoint is not None:
+            resume = os.path.join(scratch, "resume.ckpt")
+            with open(resume, "wb") as f:
+                f.write(spec.checkpoint)
+        trainer.fit(model, train_dataloaders=train_loader, val_dataloaders=val_loader, ckpt_path=resume)
+    if rank != 0:
+        return None
+    metrics = {k: float(v) if isinstance(v, torch.Tensor) and v.numel() == 1 else v
+               for k, v in trainer.logged_metrics.items()}
+    return {"model": {k: v.detach().cpu() for k, v in model.state_dict().items()}, "logged_metrics": metrics,
+            "epochs": int(trainer.current_epoch)}

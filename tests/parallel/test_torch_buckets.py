@@ -1,0 +1,152 @@
+"""DistributedOptimizer's gradient buckets (small gradients reduced as one flat tensor), on every rank in lockstep.
+
+The reference is computed on every rank without Horovod: each rank's data (allgathered as objects) through a
+plain copy of the model, gradients averaged with torch over the ranks.
+"""
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import horovod.torch as hvd
+import horovod.torch.optimizer as hvd_optimizer
+
+hvd.init()
+RANK, SIZE = hvd.rank(), hvd.size()
+
+
+class Mixed(nn.Module):
+    """A 300 KiB weight (reduced alone), then small tensors (bucketed), one of them unused."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.big = nn.Linear(300, 256)
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(256, 16), nn.LayerNorm(16), nn.Linear(16, 256))
+                                     for _ in range(3)])
+        self.unused = nn.Linear(4, 4)
+        self.out = nn.Linear(256, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.tanh(self.big(x))
+        for block in self.blocks:
+            x = torch.tanh(block(x)) + x
+        return self.out(x)
+
+
+def data(rank: int):
+    gen = torch.Generator().manual_seed(100 + rank)
+    return torch.randn(5, 300, generator=gen), torch.randn(5, 3, generator=gen)
+
+
+def reference_grads(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Gradients averaged over every rank's data, computed here with a plain copy of ``model``."""
+    total: dict[str, torch.Tensor] = {}
+    for r in range(SIZE):
+        ref = copy.deepcopy(model)
+        x, y = data(r)
+        F.mse_loss(ref(x), y).backward()
+        for name, p in ref.named_parameters():
+            g = p.grad if p.grad is not None else torch.zeros_like(p)
+            total[name] = total.get(name, 0) + g / SIZE
+    return total
+
+
+@pytest.fixture
+def small_buckets(monkeypatch):
+    monkeypatch.setattr(hvd_optimizer, "_BUCKET_BYTES", 8 * 1024)  # several buckets in this model
+
+
+@pytest.mark.parametrize("bucket_bytes", [8 * 1024, None], ids=["several-buckets", "default"])
+def test_bucketed_gradients_match_reference(monkeypatch, bucket_bytes):
+    if bucket_bytes is not None:
+        monkeypatch.setattr(hvd_optimizer, "_BUCKET_BYTES", bucket_bytes)
+    torch.manual_seed(0)
+    model = Mixed()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    bucketed = {n for n, p in model.named_parameters() if p in opt._bucket_of}
+    assert "big.weight" not in bucketed and "out.bias" in bucketed and "unused.weight" in bucketed
+    if bucket_bytes is not None:
+        assert len(opt._buckets) > 2
+    names = hvd.allgather_object([b.name for b in opt._buckets])
+    assert all(n == names[0] for n in names)  # every rank builds the same buckets
+    expected = reference_grads(model)
+    for _ in range(2):
+        opt.zero_grad()
+        x, y = data(RANK)
+        F.mse_loss(model(x), y).backward()
+        # averaged when backward() returns, also those sharing a bucket with the unused parameter (zeros)
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(p.grad, expected[name], rtol=1e-5, atol=1e-6, msg=name)
+        opt.synchronize()
+        assert torch.equal(model.unused.weight.grad, torch.zeros(4, 4))
+        with opt.skip_synchronize():
+            opt.step()
+        expected = reference_grads(model)
+
+
+def test_one_request_per_bucket(monkeypatch, small_buckets):
+    torch.manual_seed(0)
+    model = Mixed()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    names: list[str] = []
+    real = hvd_optimizer.allreduce_async_
+
+    def counting(tensor, *args, **kwargs):
+        names.append(kwargs.get("name"))
+        return real(tensor, *args, **kwargs)
+
+    monkeypatch.setattr(hvd_optimizer, "allreduce_async_", counting)
+    x, y = data(RANK)
+    F.mse_loss(model(x), y).backward()
+    opt.step()
+    alone = [n for n, p in model.named_parameters() if p not in opt._bucket_of]
+    assert sorted(names) == sorted([b.name for b in opt._buckets] + alone)
+
+
+def test_two_losses_backward_separately(small_buckets):
+    """Two heads, one backward each in one step: the second pass's gradients find their bucket already sent
+    by the first pass's end and are reduced alone."""
+    torch.manual_seed(0)
+    model = Mixed()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    x, y = data(RANK)
+    F.mse_loss(model(x), y).backward()
+    F.mse_loss(model.unused(x[:, :4]), y[:, :1].expand(-1, 4)).backward()
+    opt.synchronize()
+    for r in range(SIZE):
+        xr, yr = data(r)
+        ref = copy.deepcopy(model.unused)
+        F.mse_loss(ref(xr[:, :4]), yr[:, :1].expand(-1, 4)).backward()
+        if r == 0:
+            expected = [p.grad / SIZE for p in ref.parameters()]
+        else:
+            expected = [e + p.grad / SIZE for e, p in zip(expected, ref.parameters())]
+    for e, p in zip(expected, model.unused.parameters()):
+        torch.testing.assert_close(p.grad, e, rtol=1e-5, atol=1e-6)
+
+
+def test_sparse_gradient_in_a_bucket_goes_alone():
+    torch.manual_seed(0)
+    emb = nn.Embedding(10, 4, sparse=True)
+    lin = nn.Linear(4, 2)
+    params = list(emb.parameters()) + list(lin.parameters())
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(params, lr=0.1),
+                                   named_parameters=[("emb.weight", emb.weight), ("lin.weight", lin.weight),
+                                                     ("lin.bias", lin.bias)])
+    assert emb.weight in opt._bucket_of
+    ids = torch.tensor([RANK % 10, (RANK + 3) % 10])
+    lin(emb(ids)).sum().backward()
+    opt.step()
+    assert emb.weight.grad.is_sparse
+    w = (lin.weight + 0.1 * lin.weight.grad).detach()  # the weights before SGD's step
+    expected = torch.zeros(10, 4)  # d sum(lin(emb(ids))) / d emb row = column sums of lin.weight, per lookup
+    for r in range(SIZE):
+        for i in (r % 10, (r + 3) % 10):
+            expected[i] += w.sum(0) / SIZE
+    torch.testing.assert_close(emb.weight.grad.to_dense(), expected, rtol=1e-5, atol=1e-6)

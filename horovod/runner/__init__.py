@@ -64,10 +64,11 @@ def run(func: Callable[..., Any], args: Sequence[Any] = (), kwargs: dict[str, An
         raise ValueError("Argument hosts and hostfile only allow one provided.")
     if use_gloo and use_mpi:
         raise ValueError("Argument use_gloo and use_mpi only allow one set True.")
+    elastic = min_np is not None or max_np is not None or bool(host_discovery_script)  # np defaults to min_np
     nics = split_nics([*(network_interfaces or []), *([network_interface] if network_interface else [])])
 
     job = JobSpec(
-        num_proc=1 if np is None else np, min_num_proc=min_np, max_num_proc=max_np, slots=slots,
+        num_proc=np if np is not None or elastic else 1, min_num_proc=min_np, max_num_proc=max_np, slots=slots,
         reset_limit=reset_limit, cooldown_range=cooldown_range, hosts=hosts, hostfile=hostfile,
         host_discovery_script=host_discovery_script, start_timeout=start_timeout, ssh_port=ssh_port,
         ssh_identity_file=ssh_identity_file, disable_cache=bool(disable_cache), output_filename=output_filename,

@@ -118,10 +118,14 @@ def test_classification_with_validation_fraction(estimator_spark, keras, tmp_pat
     model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1, activation="sigmoid")])
     fitted = KerasEstimator(num_proc=2, store=store, model=model, optimizer=keras.optimizers.Adam(0.05),
                             loss="binary_crossentropy", metrics=["accuracy"], feature_cols=["x"],
-                            label_cols=["label"], validation=0.25, batch_size=16, epochs=6, verbose=0).fit(df)
+                            label_cols=["label"], validation=0.25, batch_size=16, epochs=6, verbose=0,
+                            checkpoint_callback=keras.callbacks.ModelCheckpoint(
+                                "never_written_here.keras", monitor="val_loss", save_best_only=True)).fit(df)
     history = fitted.getHistory()
     assert history["val_accuracy"][-1] >= 0.95 and history["accuracy"][-1] >= 0.95
     assert fitted.getRunId().startswith("keras_")
+    assert not os.path.exists("never_written_here.keras")  # the callback wrote the run's checkpoint instead
+    assert os.path.exists(os.path.join(store.get_run_path(fitted.getRunId()), "checkpoint.keras"))
     val_rows = sum(_parquet_rows(p) for p in glob.glob(os.path.join(store.prefix_path, "intermediate_val_data.*")))
     assert 0.15 * len(x) <= val_rows <= 0.35 * len(x)  # the fraction (Spark's randomSplit) was honoured
 
@@ -140,22 +144,25 @@ def _parquet_rows(path: str) -> int:
     return sum(pq.ParquetFile(f).metadata.num_rows for f in glob.glob(os.path.join(path, "*.parquet")))
 
 
-def test_multi_output_vector_and_array_columns(estimator_spark, keras, tmp_path_factory):
+def test_multi_output_sample_weights_save_load(estimator_spark, keras, tmp_path_factory):
     from pyspark.ml.linalg import DenseVector, Vectors
 
-    from horovod.spark.keras import KerasEstimator
+    from horovod.spark.keras import KerasEstimator, KerasModel
 
     rng = np.random.default_rng(7)
     x = rng.normal(size=(512, 3))
     a = x @ W_TRUE
     b = np.stack([x[:, 0] + x[:, 1], -x[:, 2]], axis=1)
-    df = estimator_spark.createDataFrame([(x[i].tolist(), float(a[i]), Vectors.dense(b[i])) for i in range(len(x))],
-                                         ["x", "a", "b"])
+    weight = (rng.random(len(x)) < 0.7).astype(float)  # rows of weight 0 carry wrong labels: they must not count
+    a, b = a + 3.0 * (1 - weight), b + 3.0 * (1 - weight)[:, None]
+    df = estimator_spark.createDataFrame([(x[i].tolist(), float(a[i]), Vectors.dense(b[i]), float(weight[i]))
+                                          for i in range(len(x))], ["x", "a", "b", "w"])
     inputs = keras.Input((3,))
     model = keras.Model(inputs, [keras.layers.Dense(1, name="a")(inputs), keras.layers.Dense(2, name="b")(inputs)])
     fitted = KerasEstimator(num_proc=2, store=_store(tmp_path_factory, "multi"), model=model,
                             optimizer=keras.optimizers.SGD(0.05), loss=["mse", "mse"], loss_weights=[1.0, 1.0],
-                            feature_cols=["x"], label_cols=["a", "b"], batch_size=16, epochs=8, verbose=0).fit(df)
+                            feature_cols=["x"], label_cols=["a", "b"], sample_weight_col="w", batch_size=16,
+                            epochs=8, verbose=0).fit(df)
     assert fitted.getHistory()["loss"][-1] < 0.01
     fitted.setOutputCols(["a_hat", "b_hat"])
     rows = fitted.transform(df).collect()
@@ -164,8 +171,16 @@ def test_multi_output_vector_and_array_columns(estimator_spark, keras, tmp_path_
     want_a, want_b = fitted.getModel().predict(features, verbose=0)
     np.testing.assert_allclose([r["a_hat"] for r in rows], want_a.reshape(-1), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose([r["b_hat"].toArray() for r in rows], want_b, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose([r["a_hat"] for r in rows], features @ W_TRUE, atol=0.1)  # the weighted rows' map
     np.testing.assert_allclose([r["b_hat"].toArray() for r in rows], np.stack(
         [features[:, 0] + features[:, 1], -features[:, 2]], axis=1), atol=0.1)
+
+    path = str(tmp_path_factory.mktemp("saved") / "model.json")  # save/load keeps the model and the columns
+    fitted.save(path)
+    loaded = KerasModel.load(path)
+    assert loaded.getOutputCols() == ["a_hat", "b_hat"] and loaded.getLabelColumns() == ["a", "b"]
+    for saved, restored in zip(fitted.getModel().get_weights(), loaded.getModel().get_weights()):
+        np.testing.assert_array_equal(saved, restored)
 
 
 def test_bad_parameters(estimator_spark, keras, tmp_path_factory):
@@ -190,3 +205,47 @@ def test_bad_parameters(estimator_spark, keras, tmp_path_factory):
                        **{**base, "feature_cols": ["features", "y"], "label_cols": ["is_val"]}).fit(df)
     with pytest.raises(TypeError, match="unexpected parameter"):
         KerasEstimator(modle=model)
+
+
+def test_learning_rate_scaling_of_values_schedules_and_callbacks():
+    """Upstream's rule without Spark: x size on the workers (also a schedule's rates and Horovod's LR callbacks'
+    initial_lr), / size on the returned model gives the rate back."""
+    keras = pytest.importorskip("keras")
+    import horovod.tensorflow.keras as hvd
+    from horovod.spark.keras.learning_rate import scale_learning_rate
+
+    optimizer = keras.optimizers.SGD(0.05)
+    warmup = hvd.callbacks.LearningRateWarmupCallback(initial_lr=0.05, warmup_epochs=2)
+    assert scale_learning_rate(optimizer, 4, [warmup, keras.callbacks.History()]) == pytest.approx(0.2)
+    assert float(np.asarray(optimizer.learning_rate)) == pytest.approx(0.2)
+    assert warmup.initial_lr == pytest.approx(0.2)
+    scale_learning_rate(optimizer, 1 / 4)
+    assert float(np.asarray(optimizer.learning_rate)) == pytest.approx(0.05)
+
+    decay = keras.optimizers.schedules.ExponentialDecay(0.1, decay_steps=10, decay_rate=0.5)
+    scheduled = keras.optimizers.SGD(decay)
+    assert scale_learning_rate(scheduled, 2) is None
+    assert float(decay(10)) == pytest.approx(0.1)  # 0.1 * 2 * 0.5
+    steps = keras.optimizers.schedules.PiecewiseConstantDecay([5], [0.1, 0.01])
+    scale_learning_rate(keras.optimizers.SGD(steps), 3)
+    assert float(steps(0)) == pytest.approx(0.3) and float(steps(9)) == pytest.approx(0.03)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_example_runs_as_written(estimator_spark):
+    """examples/spark/keras_spark_estimator.py in its own process (its own local Spark) learns the map."""
+    import re
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HOROVOD_")}
+    env["PYTHONPATH"] = os.pathsep.join([repo, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    proc = subprocess.run([sys.executable, os.path.join(repo, "examples", "spark", "keras_spark_estimator.py"),
+                           "--epochs", "5", "--rows", "1000"], cwd=repo, env=env, capture_output=True, text=True,
+                          timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    match = re.search(r"^largest \|y - prediction\| over 1000 rows: ([\d.]+)$", proc.stdout, re.M)
+    assert match, proc.stdout[-3000:]
+    assert float(match.group(1)) < 0.1  # noise is 0.01; an untrained model is off by several units

@@ -130,21 +130,24 @@ def worker(args: argparse.Namespace) -> None:
     data = torch.randn(args.batch, *sample_shape, generator=gen)
     target = torch.randint(0, 10, (args.batch,), generator=gen)
 
-    def step(model, optimizer) -> float:
-        start = time.perf_counter()
+    def step(model, optimizer) -> tuple[float, float]:
+        start, cpu = time.perf_counter(), time.process_time()
         optimizer.zero_grad()
         F.cross_entropy(model(data), target).backward()
         optimizer.step()
-        return time.perf_counter() - start
+        return time.perf_counter() - start, time.process_time() - cpu
 
     times: dict[str, list[float]] = {"ddp_gloo": [], "horovod": []}
+    cpu: dict[str, list[float]] = {"ddp_gloo": [], "horovod": []}  # all threads of this process
     for i in range(args.warmup + args.iters):
         for name, model, optimizer in (("ddp_gloo", ddp_model, ddp_opt), ("horovod", hvd_model, hvd_opt)):
-            seconds = step(model, optimizer)
+            seconds, cpu_seconds = step(model, optimizer)
             if i >= args.warmup:
                 times[name].append(seconds)
+                cpu[name].append(cpu_seconds)
     if hvd.rank() == 0:
-        print(RESULT + json.dumps({"times": times, "size": hvd.size(), "load": os.getloadavg()}), flush=True)
+        print(RESULT + json.dumps({"times": times, "cpu": cpu, "size": hvd.size(), "load": os.getloadavg()}),
+              flush=True)
     dist.destroy_process_group()
     hvd.shutdown()
 
@@ -176,14 +179,17 @@ def report(args: argparse.Namespace) -> dict:
     print(f"model {args.model}: {params / 1e6:.2f} M parameters in {tensors} tensors, batch {args.batch}/rank, "
           f"np={args.np}, 1 thread/process, {args.iters} timed steps each, interleaved step by step, "
           f"load average {load_before:.1f} -> {result['load'][0]:.1f}")
-    print("| contender | images/s (median step) | images/s (mean) |\n|---|---|---|")
-    print(f"| torch DDP (Gloo) | {rate['ddp_gloo']:.1f} | {mean['ddp_gloo']:.1f} |")
-    print(f"| horovod.torch DistributedOptimizer | {rate['horovod']:.1f} | {mean['horovod']:.1f} |")
+    cpu = {k: statistics.median(v) * 1e3 for k, v in result["cpu"].items()}
+    print("| contender | images/s (median step) | images/s (mean) | CPU ms/step, rank 0 |\n|---|---|---|---|")
+    print(f"| torch DDP (Gloo) | {rate['ddp_gloo']:.1f} | {mean['ddp_gloo']:.1f} | {cpu['ddp_gloo']:.1f} |")
+    print(f"| horovod.torch DistributedOptimizer | {rate['horovod']:.1f} | {mean['horovod']:.1f} | "
+          f"{cpu['horovod']:.1f} |")
     print(f"ratio horovod / DDP: {ratio:.3f} (median), {mean['horovod'] / mean['ddp_gloo']:.3f} (mean)")
     summary = {"benchmark": "torch_training", "model": args.model, "params": params, "tensors": tensors,
                "np": args.np, "batch": args.batch, "ddp_images_per_s": rate["ddp_gloo"],
                "horovod_images_per_s": rate["horovod"], "ratio": ratio,
-               "ratio_mean": mean["horovod"] / mean["ddp_gloo"], "load": [load_before, result["load"][0]]}
+               "ratio_mean": mean["horovod"] / mean["ddp_gloo"], "cpu_ms_per_step": cpu,
+               "load": [load_before, result["load"][0]]}
     print(json.dumps(summary), flush=True)
     return summary
 

@@ -1,0 +1,150 @@
+"""``horovod.spark.lightning.TorchEstimator`` and its ``HorovodStrategy``.
+
+* the strategy under ``horovodrun -np 2`` (ranks start from different weights and train on different rows) ends
+  with the weights of a single-process reference run here: rank 0's initial weights, each step the average of
+  the two ranks' gradients, the learning rate x 2;
+* the estimator on a real local Spark at np=2: a ``LightningModule`` learns ``y = X @ w + b`` to within 0.02,
+  ``transform`` equals the returned module run here, the validation metric is logged, and a second ``fit`` with
+  the same ``run_id`` resumes from the checkpoint (the module sees the trainer start at epoch 2);
+* bad input: not a LightningModule, an ``optimizer`` or ``loss`` next to one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import cloudpickle
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.timeout(300)
+
+torch = pytest.importorskip("torch")
+pl = pytest.importorskip("lightning.pytorch", reason="lightning is not installed (pip install 'horovod[lightning]')")
+pytest.importorskip("pyspark", reason="pyspark is not installed (pip install 'horovod[spark]')", exc_type=ImportError)
+pytest.importorskip("pyarrow")
+
+import lightning_strategy_job as job  # noqa: E402
+from launch_util import launch  # noqa: E402
+from pyspark import cloudpickle as spark_cloudpickle  # noqa: E402
+
+from horovod.spark.common.store import Store  # noqa: E402
+from horovod.spark.lightning import TorchEstimator, TorchModel  # noqa: E402
+
+for _pickler in (cloudpickle, spark_cloudpickle):
+    _pickler.register_pickle_by_value(sys.modules[__name__])  # executors and workers cannot import this module
+
+W, B = np.array([1.5, -2.0, 0.5]), 0.3
+
+
+def test_strategy_matches_single_process_reference():
+    code, out, _ = launch(2, [sys.executable, os.path.join(os.path.dirname(__file__), "lightning_strategy_job.py")],
+                          timeout=240)
+    assert code == 0, out[-4000:]
+    line = next(ln for ln in out.splitlines() if "RESULT " in ln)
+    result = json.loads(line.split("RESULT ", 1)[1])
+    ranks = np.array(result["weights"])
+    np.testing.assert_array_equal(ranks[0], ranks[1])  # one model on every rank
+
+    torch.manual_seed(0)
+    reference = torch.nn.Linear(3, 1)
+    data = [job.rank_data(r) for r in range(2)]
+    for _ in range(job.EPOCHS):
+        for step in range(job.STEPS):
+            grads = []
+            for x, y in data:
+                reference.zero_grad()
+                rows = slice(step * job.BATCH, (step + 1) * job.BATCH)
+                torch.nn.functional.mse_loss(reference(x[rows]), y[rows]).backward()
+                grads.append([p.grad.clone() for p in reference.parameters()])
+            with torch.no_grad():
+                for p, g0, g1 in zip(reference.parameters(), *grads):
+                    p -= job.LR * 2 * (g0 + g1) / 2
+    expected = torch.cat([reference.weight.detach().ravel(), reference.bias.detach()]).numpy()
+    np.testing.assert_allclose(ranks[0], expected, rtol=1e-5, atol=1e-6)
+
+
+class Regression(pl.LightningModule):
+    """``y = features @ w + b``; records the epoch its trainer started at (2 when resumed after 2 epochs)."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(3, 1)
+        self.register_buffer("started_at", torch.tensor(-1))
+
+    def forward(self, features):
+        return self.linear(features)
+
+    def on_train_start(self):
+        self.started_at.fill_(self.current_epoch)
+
+    def training_step(self, batch, batch_idx):
+        loss = torch.nn.functional.mse_loss(self(batch["features"]).squeeze(1), batch["y"])
+        self.log("train_loss", loss, on_step=False, on_epoch=True, sync_dist=True)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        loss = torch.nn.functional.mse_loss(self(batch["features"]).squeeze(1), batch["y"])
+        self.log("val_loss", loss, sync_dist=True)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+@pytest.fixture(scope="module")
+def regression(estimator_spark):
+    from pyspark.ml.linalg import Vectors
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(320, 3))
+    rows = [(i, Vectors.dense(v.tolist()), float(t), i % 5 == 0) for i, (v, t) in enumerate(zip(x, x @ W + B))]
+    return estimator_spark.createDataFrame(rows, ["id", "features", "y", "is_val"])
+
+
+def _estimator(store, epochs, **kwargs):
+    torch.manual_seed(0)
+    params = dict(num_proc=2, store=store, model=Regression(), feature_cols=["features"], label_cols=["y"],
+                  batch_size=16, epochs=epochs, validation="is_val", run_id="lightning_run", random_seed=1,
+                  partitions_per_process=2, verbose=0)
+    params.update(kwargs)
+    return TorchEstimator(**params)
+
+
+def test_estimator_learns_transform_matches_and_resumes(regression, tmp_path):
+    store = Store.create(str(tmp_path))
+    first = _estimator(store, 2).fit(regression)
+    assert isinstance(first, TorchModel) and first.getRunId() == "lightning_run"
+    assert set(first.getHistory()) >= {"train_loss", "val_loss"}
+    assert int(first.getModel().started_at) == 0
+    assert store.exists(store.get_checkpoint_path("lightning_run"))
+    assert store.list_files(store.get_logs_path("lightning_run"))  # the logger's files reached the store
+
+    resumed = _estimator(store, 5).fit(regression)
+    trained = resumed.getModel()
+    assert int(trained.started_at) == 2  # continued after the checkpoint's 2 epochs
+    assert resumed.getHistory()["val_loss"] < first.getHistory()["val_loss"]
+    np.testing.assert_allclose(trained.linear.weight.detach().numpy().ravel(), W, atol=0.02)
+    np.testing.assert_allclose(trained.linear.bias.detach().numpy(), [B], atol=0.02)
+
+    rows = resumed.transform(regression.select("id", "features")).orderBy("id").collect()
+    x = np.stack([r["features"].toArray() for r in rows])
+    with torch.no_grad():
+        local = trained(torch.from_numpy(x).float()).numpy().ravel()
+    predicted = np.array([r["y__output"] for r in rows])
+    np.testing.assert_allclose(predicted, local, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(predicted, x @ W + B, atol=0.05)
+
+
+def test_bad_input(regression, tmp_path):
+    store = Store.create(str(tmp_path))
+    with pytest.raises(ValueError, match="model must be a LightningModule"):
+        _estimator(store, 1, model=torch.nn.Linear(3, 1)).fit(regression)
+    model = Regression()
+    with pytest.raises(ValueError, match=r"\['optimizer'\] must not be given with a LightningModule"):
+        _estimator(store, 1, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1)).fit(regression)
+    with pytest.raises(ValueError, match='At most one of parameters "backend" and "num_proc" may be specified'):
+        from horovod.spark.common.backend import SparkBackend
+
+        _estimator(store, 1, backend=SparkBackend(2)).fit(regression)

@@ -113,6 +113,7 @@ def paired_worker(args, tf, keras, np, hvd) -> None:
     dist.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.01), compression=compression),
                  loss=loss)
     times: dict[str, list[float]] = {"local": [], "dist": []}
+    cpu: dict[str, list[float]] = {"local": [], "dist": []}  # all threads of this process
 
     class Timer(keras.callbacks.Callback):
         def __init__(self, key):
@@ -120,11 +121,12 @@ def paired_worker(args, tf, keras, np, hvd) -> None:
             self.key = key
 
         def on_train_batch_begin(self, batch, logs=None):
-            self.t = time.perf_counter()
+            self.t, self.cpu = time.perf_counter(), time.process_time()
 
         def on_train_batch_end(self, batch, logs=None):
             if batch > 0:  # the first step of a block pays fit's set-up
                 times[self.key].append(time.perf_counter() - self.t)
+                cpu[self.key].append(time.process_time() - self.cpu)
 
     local.fit(data, steps_per_epoch=args.warmup, epochs=1, verbose=0)
     dist.fit(data, steps_per_epoch=args.warmup, epochs=1, verbose=0,
@@ -141,7 +143,9 @@ def paired_worker(args, tf, keras, np, hvd) -> None:
                                    "local_step_s": step_local, "dist_step_s": step_dist,
                                    "single_samples_per_s": args.batch / step_local,
                                    "np_samples_per_s": hvd.size() * args.batch / step_dist,
-                                   "efficiency": step_local / step_dist}), flush=True)
+                                   "efficiency": step_local / step_dist,
+                                   "local_cpu_s": statistics.median(cpu["local"]),
+                                   "dist_cpu_s": statistics.median(cpu["dist"])}), flush=True)
 
 
 def launch(np_: int, args, paired: bool = False) -> dict:
@@ -183,10 +187,11 @@ def main() -> None:
         r = launch(args.np, args, paired=True)
         print(f"Keras fit, {args.model}, ~{r['params'] / 1e6:.1f} M params, batch {args.batch}/rank, "
               f"1 thread/process, paired, load average {load:.1f} -> {r['load'][0]:.1f}")
-        print(f"{'contender':<28}{'samples/s':>12}{'step ms':>10}")
-        print(f"{'2 x single process':<28}{2 * r['single_samples_per_s']:>12.1f}{r['local_step_s'] * 1e3:>10.1f}")
+        print(f"{'contender':<28}{'samples/s':>12}{'step ms':>10}{'CPU ms/step (rank 0)':>22}")
+        print(f"{'2 x single process':<28}{2 * r['single_samples_per_s']:>12.1f}{r['local_step_s'] * 1e3:>10.1f}"
+              f"{r['local_cpu_s'] * 1e3:>22.1f}")
         print(f"{f'np={args.np} DistributedOptimizer':<28}{r['np_samples_per_s']:>12.1f}"
-              f"{r['dist_step_s'] * 1e3:>10.1f}")
+              f"{r['dist_step_s'] * 1e3:>10.1f}{r['dist_cpu_s'] * 1e3:>22.1f}")
         print(f"scaling efficiency: {r['efficiency']:.3f}")
         print(json.dumps({"benchmark": "keras_training", "mode": "paired", "fp16": args.fp16, **r}))
         return

@@ -9,9 +9,12 @@
    20 Bayesian trials, unless given), and rank 0 writes the log.
 2. The log's last row (the best) becomes ``HOROVOD_FUSION_THRESHOLD``, ``HOROVOD_CYCLE_TIME`` and, when the
    cache lost, ``HOROVOD_CACHE_CAPACITY=0``.
-3. Launches with the defaults and with the tuned env alternate (``--pairs`` of each, so load from other jobs
-   hits both alike); each times ``--iters`` steps after ``--warmup``.  Printed: images/s (median step) of
-   every launch, the median over launches and the ratio tuned / defaults, and a JSON line.
+3. Launches with the defaults and with the tuned env alternate (``--pairs`` of each); each times ``--iters``
+   steps after ``--warmup``.  Printed: images/s (median step) of every launch, the median over launches and
+   the ratio tuned / defaults.
+4. One more launch alternates the two settings step by step (rank 0 switches every rank before each step with
+   ``Engine.set_params``, autotune's own mechanism), so load from other jobs on a busy host hits both alike;
+   printed: images/s (median step) of each and their ratio, then a JSON line of everything.
 """
 
 from __future__ import annotations
@@ -50,27 +53,40 @@ def worker(args: argparse.Namespace) -> None:
     y = torch.randint(0, 10, (args.batch,), generator=gen)
     times = []
     engine = basics.engine()
+    settings = None  # --paired: rank 0 switches every rank between the defaults and the tuned row each step
+    if args.paired and hvd.rank() == 0:
+        from horovod.runtime.autotune import Params
+
+        config = engine.config
+        defaults = Params(cache_enabled=config.cache_capacity > 0, cycle_time_ms=config.cycle_time_ms,
+                          fusion_threshold=config.fusion_threshold)
+        settings = [defaults, Params(*[float(v) if "." in v else int(v) for v in args.paired.split(",")[:6]])]
+    paired: dict[str, list[float]] = {"defaults": [], "tuned": []}
     for i in range(args.warmup + args.iters):
+        if settings is not None:
+            engine.set_params(settings[i % 2])
         start = time.perf_counter()
         opt.zero_grad()
         F.cross_entropy(model(x), y).backward()
         opt.step()
         if i >= args.warmup:
             times.append(time.perf_counter() - start)
+            paired["tuned" if i % 2 else "defaults"].append(times[-1])
         if args.tune and i % 50 == 49:  # rank 0 knows when the search is over: tell the others
             done = torch.tensor([float(hvd.rank() == 0 and engine._tuner is None and
                                        bool(engine.autotune_history))])
             if hvd.broadcast(done, 0, name="autotune.done").item():
                 break
     if hvd.rank() == 0:
-        print(RESULT + json.dumps({"times": times, "steps": i + 1}), flush=True)
+        print(RESULT + json.dumps({"times": times, "steps": i + 1, "paired": paired}), flush=True)
     hvd.shutdown()
 
 
-def launch(args: argparse.Namespace, env: dict[str, str], *, tune: bool) -> dict:
+def launch(args: argparse.Namespace, env: dict[str, str], *, tune: bool = False, paired: str = "") -> dict:
     cmd = [sys.executable, "-m", "horovod.runner", "-np", "2", sys.executable, os.path.abspath(__file__),
            "--worker", "--batch", str(args.batch), "--warmup", str(0 if tune else args.warmup),
-           "--iters", str(args.max_tune_steps if tune else args.iters)] + (["--tune"] if tune else [])
+           "--iters", str(args.max_tune_steps if tune else args.iters)] + (["--tune"] if tune else []) + \
+        (["--paired", paired] if paired else [])
     full = {k: v for k, v in os.environ.items() if not k.startswith("HOROVOD_")}
     full.update(OMP_NUM_THREADS="1", PYTHONPATH=ROOT, **env)
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, env=full)
@@ -102,6 +118,7 @@ def main() -> None:
     parser.add_argument("--bayes-opt-max-samples", type=int, default=20)
     parser.add_argument("--max-tune-steps", type=int, default=5000)
     parser.add_argument("--tune", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--paired", default="", help=argparse.SUPPRESS)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -132,10 +149,17 @@ def main() -> None:
               f"median {statistics.median(values):.1f}")
     ratio = statistics.median(rates["tuned"]) / statistics.median(rates["defaults"])
     pair_ratios = [t / d for t, d in zip(rates["tuned"], rates["defaults"])]
-    print(f"tuned / defaults: {ratio:.3f} (per pair: {', '.join(f'{r:.3f}' for r in pair_ratios)})")
+    print(f"separate launches, tuned / defaults: {ratio:.3f} (per pair: {', '.join(f'{r:.3f}' for r in pair_ratios)})")
+    # The same two settings in one launch, alternating step by step (rank 0 switches every rank each step, as
+    # autotune does between trials): both see the same load, which separate launches on a busy host do not.
+    paired = launch(args, {}, paired=",".join(rows[-1]))["paired"]
+    steps = {k: images / statistics.median(v) for k, v in paired.items()}
+    print(f"one launch, alternating steps: defaults {steps['defaults']:.1f}, tuned {steps['tuned']:.1f} images/s "
+          f"(median step), tuned / defaults: {steps['tuned'] / steps['defaults']:.3f}")
     print(json.dumps({"benchmark": "autotune", "tuned_env": env, "best_row": rows[-1], "trials": len(rows) - 2,
                       "defaults_images_per_s": rates["defaults"], "tuned_images_per_s": rates["tuned"],
-                      "ratio": ratio, "pair_ratios": pair_ratios}))
+                      "ratio": ratio, "pair_ratios": pair_ratios, "interleaved_images_per_s": steps,
+                      "interleaved_ratio": steps["tuned"] / steps["defaults"]}))
 
 
 if __name__ == "__main__":

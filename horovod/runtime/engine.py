@@ -676,11 +676,20 @@ class Engine:
 
         return choose_backend(self.mesh, list(range(self.size)), self.config) == "hierarchical"
 
+    def set_params(self, params: Params) -> None:
+        """Rank 0: switch every rank to ``params`` at this point of the response stream, as autotune does
+        after each trial (benchmarks/autotune.py compares two settings step by step with it)."""
+        if self.coordinator is None:
+            raise RuntimeError("only rank 0 sets the engine's parameters")
+        with self._drive:
+            self._publish_params(params)
+        self.queue.wake()  # the engine thread applies them now, not at the next enqueue
+
     def _publish_params(self, params: Params) -> None:
         """Rank 0: send the tuner's next parameters to every rank after the responses already sent, and
         queue them after this rank's own: every rank applies them at the same point of the response stream
         (fusion decisions, the cache and hierarchical collectives stay consistent)."""
-        if not self._tuner.active:
+        if self._tuner is not None and not self._tuner.active:
             self._tuner = None  # done: the best parameters are the last to travel
         payload = params.pack()
         for r in range(1, self.size):

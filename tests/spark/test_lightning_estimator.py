@@ -5,7 +5,8 @@
   the two ranks' gradients, the learning rate x 2;
 * the estimator on a real local Spark at np=2: a ``LightningModule`` learns ``y = X @ w + b`` to within 0.02,
   ``transform`` equals the returned module run here, the validation metric is logged, and a second ``fit`` with
-  the same ``run_id`` resumes from the checkpoint (the module sees the trainer start at epoch 2);
+  the same ``run_id`` resumes from the checkpoint (the module sees the trainer start at epoch 2) for ``epochs``
+  more epochs;
 * bad input: not a LightningModule, an ``optimizer`` or ``loss`` next to one.
 """
 
@@ -67,18 +68,22 @@ def test_strategy_matches_single_process_reference():
 
 
 class Regression(pl.LightningModule):
-    """``y = features @ w + b``; records the epoch its trainer started at (2 when resumed after 2 epochs)."""
+    """``y = features @ w + b``; records the epochs its trainer started and ended at."""
 
     def __init__(self):
         super().__init__()
         self.linear = torch.nn.Linear(3, 1)
         self.register_buffer("started_at", torch.tensor(-1))
+        self.register_buffer("ended_at", torch.tensor(-1))
 
     def forward(self, features):
         return self.linear(features)
 
     def on_train_start(self):
         self.started_at.fill_(self.current_epoch)
+
+    def on_train_end(self):
+        self.ended_at.fill_(self.current_epoch)
 
     def training_step(self, batch, batch_idx):
         loss = torch.nn.functional.mse_loss(self(batch["features"]).squeeze(1), batch["y"])
@@ -117,13 +122,13 @@ def test_estimator_learns_transform_matches_and_resumes(regression, tmp_path):
     first = _estimator(store, 2).fit(regression)
     assert isinstance(first, TorchModel) and first.getRunId() == "lightning_run"
     assert set(first.getHistory()) >= {"train_loss", "val_loss"}
-    assert int(first.getModel().started_at) == 0
+    assert (int(first.getModel().started_at), int(first.getModel().ended_at)) == (0, 2)
     assert store.exists(store.get_checkpoint_path("lightning_run"))
     assert store.list_files(store.get_logs_path("lightning_run"))  # the logger's files reached the store
 
-    resumed = _estimator(store, 5).fit(regression)
+    resumed = _estimator(store, 3).fit(regression)
     trained = resumed.getModel()
-    assert int(trained.started_at) == 2  # continued after the checkpoint's 2 epochs
+    assert (int(trained.started_at), int(trained.ended_at)) == (2, 5)  # after the checkpoint's 2 epochs, 3 more
     assert resumed.getHistory()["val_loss"] < first.getHistory()["val_loss"]
     np.testing.assert_allclose(trained.linear.weight.detach().numpy().ravel(), W, atol=0.02)
     np.testing.assert_allclose(trained.linear.bias.detach().numpy(), [B], atol=0.02)

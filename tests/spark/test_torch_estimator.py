@@ -2,7 +2,7 @@
 
 * regression ``y = X @ w + b``: the trained weights within 0.02 of ``w``/``b``; ``transform`` row by row equal to
   the returned model run here in one process; the validation column's rows are the validation data;
-* a checkpoint resume: a second ``fit`` with the same ``run_id`` continues the epochs from the stored checkpoint;
+* a checkpoint resume: a second ``fit`` with the same ``run_id`` trains ``epochs`` more epochs from the checkpoint;
 * classification with sample weights: rows with wrong labels and weight 0 do not move the boundary (accuracy on
   the true labels >= 0.95; a reference run here without the weights gets < 0.8), a metric in the history;
 * bad input: upstream's errors.
@@ -78,8 +78,8 @@ def test_regression_learns_transform_matches_and_resumes(regression, tmp_path):
     assert not set(np.round(train_y, 9)) & set(np.round(val_y, 9))
     assert store.exists(store.get_checkpoint_path("linear"))
 
-    # Same run_id, more epochs: resumes after epoch 1 from the checkpoint (model, optimizer, history).
-    resumed = _linear_estimator(store, model, epochs=6, validation="is_val", run_id="linear").fit(regression)
+    # Same run_id: resumes after epoch 1 from the checkpoint (model, optimizer, history), 4 epochs more.
+    resumed = _linear_estimator(store, model, epochs=4, validation="is_val", run_id="linear").fit(regression)
     history = resumed.getHistory()
     assert [h["epoch"] for h in history] == list(range(6))
     assert history[:2] == first.getHistory()

@@ -6,7 +6,7 @@ Lightning ``Trainer`` whose strategy is :class:`~horovod.spark.lightning.strateg
 dicts ``{column: tensor}`` (:mod:`horovod.spark.lightning.remote`).  It returns the same ``TorchModel`` as the
 plain torch estimator (``transform`` calls ``module(*features)``), with ``getHistory()`` = the trainer's
 ``logged_metrics`` (as upstream).  A ``fit`` whose ``run_id`` has a checkpoint in the store resumes from it
-(module, optimizers, epoch): upstream read it but never applied it.
+(module, optimizers, epoch and step) and trains ``epochs`` more epochs; upstream read it but never applied it.
 """
 
 from __future__ import annotations

@@ -7,7 +7,8 @@ every rank), each batch a dict ``{column: tensor}``: feature columns reshaped to
 arrays ``(batch, size)``).  After each epoch every rank calls ``trainer.save_checkpoint`` (rank 0 writes) and
 rank 0 copies the local run directory (checkpoint, logs, a user ``ModelCheckpoint``'s files) to the run's path in
 the store.  A resumed run restores the whole checkpoint (module, optimizers, epoch, step) through
-``trainer.fit(ckpt_path=...)``.  Rank 0 returns the trained ``state_dict`` and ``trainer.logged_metrics``.
+``trainer.fit(ckpt_path=...)`` and trains ``epochs`` more epochs.  Rank 0 returns the trained ``state_dict``
+and ``trainer.logged_metrics``.
 """
 
 from __future__ import annotations
@@ -151,13 +152,15 @@ def train(spec: LightningSpec) -> dict[str, Any] | None:
             enable_progress_bar=spec.verbose >= 2 and rank == 0, enable_model_summary=spec.verbose >= 2 and rank == 0,
             enable_checkpointing=any(isinstance(c, pl.callbacks.ModelCheckpoint) for c in callbacks),
             profiler=spec.profiler)
-        trainer_args.update(spec.trainer_args or {})
-        trainer = pl.Trainer(**trainer_args)
         resume = None
         if spec.checkpoint is not None:
             resume = os.path.join(scratch, "resume.ckpt")
             with open(resume, "wb") as f:
                 f.write(spec.checkpoint)
+            done = int(torch.load(resume, map_location="cpu", weights_only=False).get("epoch", -1)) + 1
+            trainer_args["max_epochs"] = done + spec.epochs  # `epochs` more, as the other estimators
+        trainer_args.update(spec.trainer_args or {})
+        trainer = pl.Trainer(**trainer_args)
         trainer.fit(model, train_dataloaders=train_loader, val_dataloaders=val_loader, ckpt_path=resume)
     if rank != 0:
         return None

@@ -2,8 +2,8 @@
 
 Upstream's API (spec 3.4), without Petastorm: the data is the common layer's Parquet in the store, read by each
 worker with pyarrow (:mod:`horovod.spark.common.reader`); the workers run :func:`horovod.spark.torch.remote.train`.
-A ``fit`` whose ``run_id`` has a checkpoint in the store resumes from it: model, optimizer and epoch count, so the
-run continues up to ``epochs`` epochs in all (a finished run returns its model without training).
+A ``fit`` whose ``run_id`` has a checkpoint in the store resumes from it: model, optimizer state and history, and
+trains ``epochs`` more epochs (numbered on from the checkpoint's), as upstream's and the Keras estimator.
 """
 
 from __future__ import annotations

@@ -221,7 +221,7 @@ def train(spec: TrainSpec) -> dict[str, Any] | None:
 
     with spec.remote_store.get_local_output_dir() as local_dir:
         writer = _summary_writer(os.path.join(local_dir, spec.remote_store.logs_subdir)) if rank == 0 else None
-        for epoch in range(start_epoch, spec.epochs):
+        for epoch in range(start_epoch, start_epoch + spec.epochs):
             record: dict[str, Any] = {"epoch": epoch, "train": run_epoch(train_reader, train_steps, True)}
             if val_reader is not None:
                 val_reader.reset()

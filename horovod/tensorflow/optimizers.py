@@ -14,7 +14,7 @@ import tensorflow as tf
 from horovod.common.process_sets import ProcessSet, global_process_set
 from horovod.tensorflow.compression import Compression
 from horovod.tensorflow.gradient_aggregation import GradientReducer
-from horovod.tensorflow.mpi_ops import Average
+from horovod.tensorflow.mpi_ops import Adasum, Average
 
 __all__ = ["DistributedGradientTape", "PartialDistributedGradientTape", "DistributedOptimizer",
            "LegacyDistributedOptimizer"]
@@ -201,7 +201,7 @@ def DistributedOptimizer(optimizer, name: str | None = None, use_locking: bool =
     """
     if gradient_predivide_factor != 1.0 and op != Average:
         raise ValueError("gradient_predivide_factor not supported with op != Average")
-    if op == 2 and average_aggregated_gradients:
+    if op == Adasum and average_aggregated_gradients:
         raise ValueError("Adasum does not support average_aggregated_gradients == True")
     if isinstance(optimizer, tf.compat.v1.train.Optimizer):
         reducer = GradientReducer(compression=compression, sparse_as_dense=sparse_as_dense, op=op,
@@ -212,7 +212,7 @@ def DistributedOptimizer(optimizer, name: str | None = None, use_locking: bool =
         return LegacyDistributedOptimizer(optimizer, name, use_locking, reducer=reducer,
                                           backward_passes_per_step=backward_passes_per_step,
                                           average_aggregated_gradients=average_aggregated_gradients)
-    if op == 2:
+    if op == Adasum:
         raise ValueError("op == Adasum is not supported yet with Keras")
     from horovod.tensorflow import keras as hvd_keras
 

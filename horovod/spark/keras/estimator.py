@@ -164,19 +164,11 @@ class KerasEstimator(HorovodEstimator):
 
     # --- training ------------------------------------------------------------------------------------------
 
-    def _checkpoint_path(self, run_id: str) -> str | None:
-        from horovod.spark.keras.serialization import checkpoint_filename
-
-        store = self.getStore()
-        if not store.saving_runs:
-            return None
-        return f"{store.get_run_path(run_id)}/{checkpoint_filename(store.get_checkpoint_filename())}"
-
     def _compiled_model_bytes(self, run_id: str) -> bytes:
         """A compiled copy of the model as ``.keras`` bytes, from the run's checkpoint when the store has one."""
         import keras
 
-        from horovod.spark.keras.serialization import model_from_bytes, model_to_bytes
+        from horovod.spark.keras.serialization import model_from_bytes, model_to_bytes, stored_checkpoint
 
         objects = self.getCustomObjects()
         model = model_from_bytes(model_to_bytes(self.getModel()), objects)  # the user's model stays untouched
@@ -193,11 +185,11 @@ class KerasEstimator(HorovodEstimator):
                       metrics=self.getMetrics())
         if model.built and not optimizer.built:  # saved with its (zero) slots, so the workers load it whole
             optimizer.build(model.trainable_variables)
-        checkpoint = self._checkpoint_path(run_id)
         store = self.getStore()
+        checkpoint = stored_checkpoint(store.to_remote(run_id))
         if checkpoint is not None and store.exists(checkpoint):
             logger.info("horovod.spark: resuming run %s from its checkpoint %s", run_id, checkpoint)
-            _restore(keras, model, model_from_bytes(store.read(checkpoint), objects), run_id)
+            _restore(model, model_from_bytes(store.read(checkpoint), objects), run_id)
         return model_to_bytes(model)
 
     def _fit_on_prepared_data(self, backend: Backend, dataset: Dataset) -> KerasModel:
@@ -221,7 +213,8 @@ class KerasEstimator(HorovodEstimator):
             validation_steps_per_epoch=self.getValidationStepsPerEpoch(), shuffle=self.getShuffle(),
             random_seed=self.getRandomSeed(), verbose=self.getVerbose(), inmemory_cache_all=self.getInMemoryCacheAll(),
             prefetch=self.getTensorflowDatasetPrefetchBufferSize(), floatx=keras.backend.floatx(),
-            use_gpu=self.getUseGpu(), transformation_fn=self.getTransformationFn())
+            use_gpu=self.getUseGpu(), transformation_fn=self.getTransformationFn(),
+            gradient_compression=self.getGradientCompression())
         results = backend.run(make_trainer(spec), env=self.getBackendEnv())
         history, checkpoint, size = results[0]
         model = model_from_bytes(checkpoint, self.getCustomObjects())
@@ -231,7 +224,7 @@ class KerasEstimator(HorovodEstimator):
                           run_id=run_id, _metadata=dataset.metadata, _floatx=keras.backend.floatx())
 
 
-def _restore(keras: Any, model: Any, checkpoint: Any, run_id: str) -> None:
+def _restore(model: Any, checkpoint: Any, run_id: str) -> None:
     """``model`` takes the checkpoint's weights and, when the optimizers are alike, its optimizer state (step
     count, moments) -- not its learning rate, which the checkpoint holds multiplied by the processes."""
     model.set_weights(checkpoint.get_weights())
@@ -280,10 +273,11 @@ class _Predictor:
         model = _loaded.get(self.digest)
         if model is None:
             if "tensorflow" not in sys.modules:  # an executor's Python worker: predict on the CPU, one thread
-                os.environ["CUDA_VISIBLE_DEVICES"] = "-1"
                 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
                 import tensorflow as tf
 
+                # not CUDA_VISIBLE_DEVICES: the Python worker's environment is inherited by later training tasks
+                tf.config.set_visible_devices([], "GPU")
                 tf.config.threading.set_intra_op_parallelism_threads(1)
                 tf.config.threading.set_inter_op_parallelism_threads(1)
             from horovod.spark.keras.serialization import model_from_bytes

@@ -59,6 +59,8 @@ class TrainSpec:
     floatx: str = "float32"
     use_gpu: bool = True
     transformation_fn: Callable[[Any], Any] | None = None
+    gradient_compression: Any = None
+    """``hvd.Compression.fp16`` etc. for the DistributedOptimizer (None: no compression)."""
 
 
 def _pin_gpu(tf: Any, local_rank: int) -> None:
@@ -102,13 +104,6 @@ def _rank0_callbacks(keras: Any, spec: TrainSpec, callbacks: list, directory: st
             callbacks.append(keras.callbacks.TensorBoard(logs))
         callbacks.append(_sync_callback(keras, directory, remote.sync))
     return callbacks, checkpoint
-
-
-def _stored_checkpoint(spec: TrainSpec) -> str | None:
-    from horovod.spark.keras.serialization import checkpoint_filename
-
-    remote = spec.remote_store
-    return f"{remote.run_path}/{checkpoint_filename(remote.checkpoint_filename)}" if remote.saving_runs else None
 
 
 def _datasets(spec: TrainSpec, rank: int, size: int, steps: int, val_steps: int | None) -> tuple[Any, Any]:
@@ -155,7 +150,7 @@ def train(spec: TrainSpec) -> tuple[dict[str, list[float]], bytes, int] | None:
     import horovod.tensorflow.keras as hvd
     from horovod.spark.common.reader import steps_per_epoch
     from horovod.spark.keras.learning_rate import scale_learning_rate
-    from horovod.spark.keras.serialization import model_from_bytes
+    from horovod.spark.keras.serialization import model_from_bytes, stored_checkpoint
 
     keras.backend.set_floatx(spec.floatx)
     hvd.init()
@@ -165,7 +160,9 @@ def train(spec: TrainSpec) -> tuple[dict[str, list[float]], bytes, int] | None:
         _pin_gpu(tf, hvd.local_rank())
     if spec.random_seed is not None:
         keras.utils.set_random_seed(spec.random_seed)
-    model = model_from_bytes(spec.model_bytes, spec.custom_objects, load=hvd.load_model)
+    compression = spec.gradient_compression or hvd.Compression.none
+    model = model_from_bytes(spec.model_bytes, spec.custom_objects,
+                             load=lambda path, **kw: hvd.load_model(path, compression=compression, **kw))
     user_callbacks = list(spec.callbacks)
     scaled_lr = scale_learning_rate(model.optimizer, size, user_callbacks)
 
@@ -179,8 +176,9 @@ def train(spec: TrainSpec) -> tuple[dict[str, list[float]], bytes, int] | None:
         print(f"Training parameters: Epochs: {spec.epochs}, Scaled lr: {scaled_lr}, Shuffle: {spec.shuffle}, "
               f"random_seed: {spec.random_seed}\nTrain rows: {dataset.train_rows}, Train batch size: "
               f"{spec.batch_size}, Train_steps_per_epoch: {steps}\nVal rows: {dataset.val_rows}, Val batch size: "
-              f"{val_batch}, Val_steps_per_epoch: {val_steps}\nCheckpoint file: {_stored_checkpoint(spec)}, "
-              f"Logs dir: {spec.remote_store.logs_path}", flush=True)
+              f"{val_batch}, Val_steps_per_epoch: {val_steps}\n"
+              f"Checkpoint file: {stored_checkpoint(spec.remote_store)}, Logs dir: {spec.remote_store.logs_path}",
+              flush=True)
     train_data, val_data = _datasets(spec, rank, size, steps, val_steps)
     with spec.remote_store.get_local_output_dir() as directory:
         callbacks = [hvd.callbacks.BroadcastGlobalVariablesCallback(root_rank=0),

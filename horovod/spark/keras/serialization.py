@@ -13,7 +13,7 @@ import tempfile
 from collections.abc import Callable, Mapping
 from typing import Any
 
-__all__ = ["model_to_bytes", "model_from_bytes", "CHECKPOINT_SUFFIX", "checkpoint_filename"]
+__all__ = ["model_to_bytes", "model_from_bytes", "CHECKPOINT_SUFFIX", "checkpoint_filename", "stored_checkpoint"]
 
 CHECKPOINT_SUFFIX = ".keras"
 
@@ -22,6 +22,14 @@ def checkpoint_filename(store_filename: str | None) -> str:
     """The store's checkpoint file name with the suffix Keras 3 requires to save a whole model."""
     name = store_filename or "checkpoint"
     return name if name.endswith((".keras", ".h5")) else name + CHECKPOINT_SUFFIX
+
+
+def stored_checkpoint(remote_store: Any) -> str | None:
+    """Where a run keeps its Keras checkpoint in the store (``runs/<run_id>/checkpoint.keras``); None when the
+    store does not keep runs.  ``remote_store``: ``Store.to_remote(run_id)``."""
+    if not remote_store.saving_runs:
+        return None
+    return f"{remote_store.run_path}/{checkpoint_filename(remote_store.checkpoint_filename)}"
 
 
 def model_to_bytes(model: Any) -> bytes:

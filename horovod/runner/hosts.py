@@ -7,7 +7,6 @@ one rank assignment, computed exactly as upstream's ``get_host_assignments`` doe
 from __future__ import annotations
 
 import dataclasses
-import logging
 import re
 import socket
 from collections.abc import Iterable
@@ -18,8 +17,6 @@ __all__ = [
     "HostInfo", "SlotInfo", "parse_hosts", "parse_host_files", "get_host_assignments", "is_local_host",
     "INVALID_HOST_MESSAGE",
 ]
-
-logger = logging.getLogger(__name__)
 
 _HOST_RE = re.compile(r"^[\w.-]+:[0-9]+$")
 INVALID_HOST_MESSAGE = "Invalid host input, please make sure it has format as : worker-0:2,worker-1:2."

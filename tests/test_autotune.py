@@ -55,7 +55,7 @@ def _check(tmp_path, np_, code, out, marker, log):
     assert ",".join(rows[0]) == LOG_HEADER
     trials, best = rows[1:-1], rows[-1]
     assert len(trials) == BAYES + 2, rows  # single host: fusion + cycle time (Bayesian), then the cache
-    assert best == max(trials, key=lambda row: float(row[-1]))
+    assert best in trials[-2:] and best == max(trials[-2:], key=lambda row: float(row[-1]))  # cache off/on
     assert all(float(row[-1]) > 0 for row in trials)
     assert trials[0][4:6] == ["1", str(128 * MIB)]  # the defaults are measured first
     assert len({(row[4], row[5]) for row in trials}) >= BAYES  # it searched

@@ -118,7 +118,7 @@ class Engine:
         self._seq = 0  # response frames received
         self._cycle = max(0.0, config.cycle_time_ms) / 1000.0
         self._outstanding = 0  # tensors sent to the coordinator whose responses have not run yet
-        self._todo: collections.deque[Response] = collections.deque()
+        self._todo: collections.deque[Response | _ParamsMarker] = collections.deque()
         self._shutdown_requested: str | None = None
         self._shutdown_sent_at: float | None = None
         self._closed_peers: set[int] = set()

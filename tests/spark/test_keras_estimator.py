@@ -92,19 +92,25 @@ def test_transform_matches_the_model_row_by_row(linear):
 
 
 def test_resume_from_checkpoint(linear, keras):
-    """A second fit with the run's ID starts from its checkpoint: weights and the optimizer's step count; with
-    a zero learning rate the weights stay exactly the checkpoint's, although the model passed in is fresh."""
+    """A second fit (here ``fit_on_parquet``) with the run's ID starts from its checkpoint: weights and the
+    optimizer's step count; with a zero learning rate the weights stay exactly the checkpoint's, although the
+    model passed in is fresh."""
     df, store, fitted = linear
     trained = fitted.getModel()
     checkpoints = glob.glob(os.path.join(store.get_run_path("linear"), "checkpoint*"))
     assert checkpoints, os.listdir(store.get_run_path("linear"))
     fresh = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
-    resumed = _linear_estimator(keras, store, lr=0.0, epochs=1, model=fresh).fit(df)
+    (prepared,) = [p for p in glob.glob(os.path.join(store.prefix_path, "intermediate_train_data.*"))
+                   if os.path.isdir(p)]
+    # upstream's fit_on_parquet: the Parquet data the first fit left in the store, its validation rows included
+    resumed = _linear_estimator(keras, store, lr=0.0, epochs=1, model=fresh).fit_on_parquet(
+        dataset_idx=int(prepared.rsplit(".", 1)[1]))
     for before, after in zip(trained.get_weights(), resumed.getModel().get_weights()):
         np.testing.assert_array_equal(before, after)
     steps = int(trained.optimizer.iterations.numpy()) // 8
     assert int(resumed.getModel().optimizer.iterations.numpy()) == 9 * steps
     assert len(resumed.getHistory()["loss"]) == 1
+    assert resumed.getHistory()["val_loss"][0] == pytest.approx(VAL_OFFSET ** 2, rel=0.05)
 
 
 def test_classification_with_validation_fraction(estimator_spark, keras, tmp_path_factory):

@@ -64,7 +64,7 @@ def main() -> None:
 
     from horovod.spark.common.store import Store
 
-    builder = SparkSession.builder.appName("horovod-pytorch-estimator")
+    builder = SparkSession.builder.appName("horovod-pytorch-estimator").config("spark.ui.showConsoleProgress", "false")
     if args.master:
         builder = builder.master(args.master)
     spark = builder.getOrCreate()

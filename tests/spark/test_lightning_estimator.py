@@ -28,6 +28,7 @@ pytest.importorskip("pyspark", reason="pyspark is not installed (pip install 'ho
 pytest.importorskip("pyarrow")
 
 import lightning_strategy_job as job  # noqa: E402
+from estimator_checks import check_regression, regression_frame  # noqa: E402
 from launch_util import launch  # noqa: E402
 from pyspark import cloudpickle as spark_cloudpickle  # noqa: E402
 
@@ -37,7 +38,6 @@ from horovod.spark.lightning import TorchEstimator, TorchModel  # noqa: E402
 for _pickler in (cloudpickle, spark_cloudpickle):
     _pickler.register_pickle_by_value(sys.modules[__name__])  # executors and workers cannot import this module
 
-W, B = np.array([1.5, -2.0, 0.5]), 0.3
 
 
 def test_strategy_matches_single_process_reference():
@@ -100,12 +100,7 @@ class Regression(pl.LightningModule):
 
 @pytest.fixture(scope="module")
 def regression(estimator_spark):
-    from pyspark.ml.linalg import Vectors
-
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(320, 3))
-    rows = [(i, Vectors.dense(v.tolist()), float(t), i % 5 == 0) for i, (v, t) in enumerate(zip(x, x @ W + B))]
-    return estimator_spark.createDataFrame(rows, ["id", "features", "y", "is_val"])
+    return regression_frame(estimator_spark)
 
 
 def _estimator(store, epochs, **kwargs):
@@ -130,16 +125,7 @@ def test_estimator_learns_transform_matches_and_resumes(regression, tmp_path):
     trained = resumed.getModel()
     assert (int(trained.started_at), int(trained.ended_at)) == (2, 5)  # after the checkpoint's 2 epochs, 3 more
     assert resumed.getHistory()["val_loss"] < first.getHistory()["val_loss"]
-    np.testing.assert_allclose(trained.linear.weight.detach().numpy().ravel(), W, atol=0.02)
-    np.testing.assert_allclose(trained.linear.bias.detach().numpy(), [B], atol=0.02)
-
-    rows = resumed.transform(regression.select("id", "features")).orderBy("id").collect()
-    x = np.stack([r["features"].toArray() for r in rows])
-    with torch.no_grad():
-        local = trained(torch.from_numpy(x).float()).numpy().ravel()
-    predicted = np.array([r["y__output"] for r in rows])
-    np.testing.assert_allclose(predicted, local, rtol=1e-6, atol=1e-6)
-    np.testing.assert_allclose(predicted, x @ W + B, atol=0.05)
+    check_regression(resumed, regression, trained, trained.linear.weight, trained.linear.bias)
 
 
 def test_bad_input(regression, tmp_path):

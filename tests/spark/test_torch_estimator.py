@@ -22,6 +22,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("pyspark", reason="pyspark is not installed (pip install 'horovod[spark]')", exc_type=ImportError)
 pytest.importorskip("pyarrow")
 
+from estimator_checks import check_regression, regression_frame  # noqa: E402
 from pyspark import cloudpickle as spark_cloudpickle  # noqa: E402
 
 from horovod.spark.common.store import Store  # noqa: E402
@@ -30,18 +31,11 @@ from horovod.spark.torch import TorchEstimator, TorchModel  # noqa: E402
 for _pickler in (cloudpickle, spark_cloudpickle):
     _pickler.register_pickle_by_value(sys.modules[__name__])  # executors and workers cannot import this module
 
-W, B = np.array([1.5, -2.0, 0.5]), 0.3
 
 
 @pytest.fixture(scope="module")
 def regression(estimator_spark):
-    from pyspark.ml.linalg import Vectors
-
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(320, 3))
-    y = x @ W + B
-    rows = [(i, Vectors.dense(v.tolist()), float(t), i % 5 == 0) for i, (v, t) in enumerate(zip(x, y))]
-    return estimator_spark.createDataFrame(rows, ["id", "features", "y", "is_val"])
+    return regression_frame(estimator_spark)
 
 
 def _linear_estimator(store, model, **kwargs):
@@ -85,19 +79,7 @@ def test_regression_learns_transform_matches_and_resumes(regression, tmp_path):
     assert history[:2] == first.getHistory()
     assert history[2]["train"]["loss"] < first.getHistory()[0]["train"]["loss"] / 10
     trained = resumed.getModel()
-    np.testing.assert_allclose(trained.weight.detach().numpy().ravel(), W, atol=0.02)
-    np.testing.assert_allclose(trained.bias.detach().numpy(), [B], atol=0.02)
-
-    out = resumed.transform(regression.select("id", "features"))
-    assert out.columns == ["id", "features", "y__output"]
-    rows = out.orderBy("id").collect()
-    assert len(rows) == 320
-    x = np.stack([r["features"].toArray() for r in rows])
-    with torch.no_grad():
-        local = trained(torch.from_numpy(x).float()).numpy().ravel()
-    predicted = np.array([r["y__output"] for r in rows])
-    np.testing.assert_allclose(predicted, local, rtol=1e-6, atol=1e-6)
-    np.testing.assert_allclose(predicted, x @ W + B, atol=0.05)
+    check_regression(resumed, regression, trained, trained.weight, trained.bias)
 
 
 def accuracy(output, label):
@@ -181,3 +163,26 @@ def test_bad_input(regression, tmp_path):
         _linear_estimator(store, model, backward_passes_per_step=0).fit(regression)
     with pytest.raises(TypeError, match="unexpected parameter"):
         _linear_estimator(store, model, epoch=3)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", [[], ["--lightning"]], ids=["torch", "lightning"])
+def test_example_runs_as_written(variant):
+    """examples/spark/pytorch_spark_estimator.py (its own local Spark) learns the answer it prints."""
+    import os
+    import re
+    import subprocess
+
+    from launch_util import REPO, clean_env
+
+    if variant:
+        pytest.importorskip("lightning")
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "examples", "spark", "pytorch_spark_estimator.py"),
+                           "--epochs", "3", *variant], cwd=REPO, env=clean_env(), capture_output=True, text=True,
+                          timeout=280)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    match = re.search(r"learned weights \[\s*([-\d.]+)\s+([-\d.]+)\s+([-\d.]+)\s*\], bias ([-\d.]+)", proc.stdout)
+    assert match, proc.stdout[-3000:]
+    np.testing.assert_allclose([float(v) for v in match.groups()], [0.5, -1.0, 2.0, -0.4], atol=0.05)
+    error = re.search(r"largest prediction error over 1000 rows: ([\d.]+)", proc.stdout)
+    assert error and float(error.group(1)) < 0.1, proc.stdout[-3000:]

@@ -118,6 +118,14 @@ class HorovodEstimator(Estimator, EstimatorParams):
         """The run's ID: the ``run_id`` parameter, else ``<framework>_<unix time>`` (upstream's default)."""
         return self.getRunId() or f"{self._run_id_prefix}_{int(time.time())}"
 
+    def _read_checkpoint(self, run_id: str) -> bytes | None:
+        """The bytes of ``run_id``'s checkpoint in the store (the run resumes from them), None without one."""
+        if not self._has_checkpoint(run_id):
+            return None
+        store = self.getStore()
+        logger.info("horovod.spark: resuming run %s from its checkpoint", run_id)
+        return store.read(store.get_checkpoint_path(run_id))
+
     def _has_checkpoint(self, run_id: str) -> bool:
         """Whether the store holds a checkpoint of ``run_id`` (``fit`` then resumes from it)."""
         store = self.getStore()

@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-__all__ = ["ShardReader", "steps_per_epoch", "column_to_numpy"]
+__all__ = ["ShardReader", "EpochReaders", "open_readers", "reader_columns", "steps_per_epoch", "column_to_numpy"]
 
 
 def steps_per_epoch(rows: int, batch_size: int, size: int, given: int | None = None, *, ceil: bool = False) -> int:
@@ -158,3 +159,38 @@ class ShardReader:
                     self._pending = {c: v[take:] for c, v in chunk.items()}
                 have += take
             yield parts[0] if len(parts) == 1 else {c: np.concatenate([p[c] for p in parts]) for c in parts[0]}
+
+
+def reader_columns(feature_columns: Sequence[str], label_columns: Sequence[str],
+                   sample_weight_col: str | None = None) -> list[str]:
+    """The columns a training process reads: features, labels and the sample weights, each once."""
+    return list(dict.fromkeys([*feature_columns, *label_columns, *([sample_weight_col] if sample_weight_col else [])]))
+
+
+@dataclass
+class EpochReaders:
+    """A training process's readers and steps per epoch; ``val`` is None without validation data."""
+
+    train: ShardReader
+    train_steps: int
+    val: ShardReader | None
+    val_steps: int
+
+
+def open_readers(dataset: Any, filesystem: Any, columns: Sequence[str], rank: int, size: int, *, batch_size: int,
+                 val_batch_size: int, shuffle: bool = True, seed: int | None = None,
+                 transformation_fn: Callable[[Any], Any] | None = None, cache: bool = False,
+                 train_steps: int | None = None, val_steps: int | None = None, val_ceil: bool = False) -> EpochReaders:
+    """This rank's readers of a prepared :class:`~horovod.spark.common.data.Dataset` (validation unshuffled) and
+    the steps per epoch (``train_steps``/``val_steps`` if given, else from the row counts; ``val_ceil``: round the
+    validation steps up, as upstream's torch estimator)."""
+    common = dict(metadata=dataset.metadata, transformation_fn=transformation_fn, cache=cache)
+    train = ShardReader(filesystem, dataset.train_data_path, columns, rank, size, batch_size, shuffle=shuffle,
+                        seed=seed, **common)
+    steps = steps_per_epoch(dataset.train_rows, batch_size, size, train_steps)
+    if not (dataset.val_data_path and dataset.val_rows):
+        return EpochReaders(train, steps, None, 0)
+    val = ShardReader(filesystem, dataset.val_data_path, columns, rank, size, val_batch_size, shuffle=False,
+                      **common)
+    return EpochReaders(train, steps, val, steps_per_epoch(dataset.val_rows, val_batch_size, size, val_steps,
+                                                           ceil=val_ceil))

@@ -20,7 +20,7 @@ from horovod.spark.common.data import Dataset
 from horovod.spark.common.estimator import HorovodEstimator
 from horovod.spark.common.params import add_accessors, param
 from horovod.spark.lightning import remote
-from horovod.spark.torch.estimator import TorchModel, check_input_shapes
+from horovod.spark.torch.estimator import TorchModel, check_input_shapes, worker_spec_fields
 
 __all__ = ["TorchEstimator", "TorchModel"]
 
@@ -106,35 +106,17 @@ class TorchEstimator(HorovodEstimator):
         check_input_shapes(self.getFeatureCols(), self.getInputShapes(), dataset.metadata)
 
     def _fit_on_prepared_data(self, backend: Backend, dataset: Dataset) -> TorchModel:
-        from horovod.spark.torch.batches import default_input_shapes
-
         run_id = self._resolve_run_id()
-        store = self.getStore()
-        model = self.getModel()
-        features, labels = list(self.getFeatureCols()), list(self.getLabelCols())
-        input_shapes = [list(s) for s in (self.getInputShapes() or default_input_shapes(features, dataset.metadata))]
-        checkpoint = None
-        if self._has_checkpoint(run_id):
-            checkpoint = store.read(store.get_checkpoint_path(run_id))
-            logger.info("horovod.spark: resuming run %s from its checkpoint", run_id)
-        batch_size = int(self.getBatchSize())
         spec = remote.LightningSpec(
-            model=model, feature_columns=features, label_columns=labels, sample_weight_col=self.getSampleWeightCol(),
-            input_shapes=input_shapes, remote_store=store.to_remote(run_id, dataset.dataset_idx), dataset=dataset,
-            batch_size=batch_size, val_batch_size=int(self.getValBatchSize() or batch_size),
-            epochs=int(self.getEpochs()), train_steps_per_epoch=self.getTrainStepsPerEpoch(),
-            validation_steps_per_epoch=self.getValidationStepsPerEpoch(), shuffle=bool(self.getShuffle()),
-            seed=self.getRandomSeed(), transformation_fn=self.getTransformationFn(),
-            inmemory_cache_all=bool(self.getInMemoryCacheAll()), callbacks=list(self.getCallbacks() or []),
+            **worker_spec_fields(self, dataset, run_id), callbacks=list(self.getCallbacks() or []),
             logger=self.getLogger(), log_every_n_steps=int(self.getLogEveryNSteps()), profiler=self.getProfiler(),
-            trainer_args=dict(self.getTrainerArgs() or {}), use_gpu=bool(self.getUseGpu()),
-            mp_start_method=self.getMpStartMethod(), verbose=int(self.getVerbose()), checkpoint=checkpoint)
+            trainer_args=dict(self.getTrainerArgs() or {}))
         result = backend.run(remote.train, args=(spec,))[0]
-        trained = copy.deepcopy(model)
+        trained = copy.deepcopy(spec.model)
         trained.load_state_dict(result["model"])
-        return TorchModel(history=result["logged_metrics"], model=trained, feature_columns=features,
-                          input_shapes=input_shapes, label_columns=labels, optimizer=None, run_id=run_id,
-                          _metadata=dataset.metadata, loss=None, loss_constructors=None)
+        return TorchModel(history=result["logged_metrics"], model=trained, feature_columns=spec.feature_columns,
+                          input_shapes=spec.input_shapes, label_columns=spec.label_columns, optimizer=None,
+                          run_id=run_id, _metadata=dataset.metadata, loss=None, loss_constructors=None)
 
 
 add_accessors(TorchEstimator, {name: None for name in _LIGHTNING_PARAMS})

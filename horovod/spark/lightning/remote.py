@@ -20,40 +20,22 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from horovod.spark.torch.remote import WorkerSpec
+
 __all__ = ["LightningSpec", "train"]
 
 logger = logging.getLogger("horovod.spark")
 
 
-@dataclass
-class LightningSpec:
-    """Everything the workers need, pickled once by the driver."""
+@dataclass(kw_only=True)
+class LightningSpec(WorkerSpec):
+    """A Lightning estimator's workers: the Trainer's callbacks, logger and arguments."""
 
-    model: Any
-    feature_columns: list[str]
-    label_columns: list[str]
-    sample_weight_col: str | None
-    input_shapes: list[list[int]]
-    remote_store: Any
-    dataset: Any
-    batch_size: int
-    val_batch_size: int
-    epochs: int
-    train_steps_per_epoch: int | None
-    validation_steps_per_epoch: int | None
-    shuffle: bool
-    seed: int | None
-    transformation_fn: Callable[[Any], Any] | None
-    inmemory_cache_all: bool
     callbacks: list[Any]
     logger: Any
     log_every_n_steps: int
     profiler: Any
     trainer_args: dict[str, Any]
-    use_gpu: bool
-    mp_start_method: str | None
-    verbose: int
-    checkpoint: bytes | None = None
 
 
 class _Loader:
@@ -95,45 +77,32 @@ def _default_logger(pl: Any, logs_dir: str) -> Any:
 
 def train(spec: LightningSpec) -> dict[str, Any] | None:
     """Train on this process's shard (see the module docstring); rank 0 returns ``{model, logged_metrics}``."""
-    import multiprocessing
-
     import torch
 
-    import horovod.torch as hvd
-    from horovod.spark.common.reader import ShardReader, steps_per_epoch
+    from horovod.spark.common.reader import open_readers, reader_columns
     from horovod.spark.lightning.compat import pl
     from horovod.spark.lightning.strategy import HorovodStrategy
     from horovod.spark.torch import batches as tb
+    from horovod.spark.torch.remote import init_worker
 
-    if spec.mp_start_method:
-        multiprocessing.set_start_method(spec.mp_start_method, force=True)
-    hvd.init()
-    rank, size = hvd.rank(), hvd.size()
+    rank, size = init_worker(spec.mp_start_method)
     if spec.seed is not None:
         pl.seed_everything(spec.seed, workers=True, verbose=False)
     model = spec.model
     dtype = tb.float_dtype(model)
-    columns = list(dict.fromkeys([*spec.feature_columns, *spec.label_columns,
-                                  *([spec.sample_weight_col] if spec.sample_weight_col else [])]))
+    columns = reader_columns(spec.feature_columns, spec.label_columns, spec.sample_weight_col)
     others = [c for c in columns if c not in spec.feature_columns]
 
     def to_tensors(batch: dict) -> dict:
         inputs = tb.features(batch, spec.feature_columns, spec.input_shapes, dtype)
         return {**dict(zip(spec.feature_columns, inputs)), **dict(zip(others, tb.labels(batch, others, dtype)))}
 
-    dataset, fs = spec.dataset, spec.remote_store.filesystem
-    common = dict(metadata=dataset.metadata, transformation_fn=spec.transformation_fn, cache=spec.inmemory_cache_all)
-    train_loader = _Loader(ShardReader(fs, dataset.train_data_path, columns, rank, size, spec.batch_size,
-                                       shuffle=spec.shuffle, seed=spec.seed, **common),
-                           steps_per_epoch(dataset.train_rows, spec.batch_size, size, spec.train_steps_per_epoch),
-                           to_tensors, restart=False)
-    val_loader = None
-    if dataset.val_data_path and dataset.val_rows:
-        val_loader = _Loader(ShardReader(fs, dataset.val_data_path, columns, rank, size, spec.val_batch_size,
-                                         shuffle=False, **common),
-                             steps_per_epoch(dataset.val_rows, spec.val_batch_size, size,
-                                             spec.validation_steps_per_epoch),
-                             to_tensors, restart=True)
+    readers = open_readers(spec.dataset, spec.remote_store.filesystem, columns, rank, size,
+                           batch_size=spec.batch_size, val_batch_size=spec.val_batch_size, shuffle=spec.shuffle,
+                           seed=spec.seed, transformation_fn=spec.transformation_fn, cache=spec.inmemory_cache_all,
+                           train_steps=spec.train_steps_per_epoch, val_steps=spec.validation_steps_per_epoch)
+    train_loader = _Loader(readers.train, readers.train_steps, to_tensors, restart=False)
+    val_loader = _Loader(readers.val, readers.val_steps, to_tensors, restart=True) if readers.val else None
 
     with spec.remote_store.get_local_output_dir() as local_dir, tempfile.TemporaryDirectory() as scratch:
         callbacks = list(spec.callbacks or [])

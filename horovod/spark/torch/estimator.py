@@ -9,7 +9,6 @@ trains ``epochs`` more epochs (numbered on from the checkpoint's), as upstream's
 from __future__ import annotations
 
 import copy
-import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -22,9 +21,6 @@ from horovod.spark.common.params import add_accessors, param
 from horovod.spark.torch import remote
 
 __all__ = ["TorchEstimator", "TorchModel"]
-
-logger = logging.getLogger("horovod.spark")
-
 
 class TorchEstimator(HorovodEstimator):
     """Spark ML Estimator training a torch model with Horovod (upstream's ``horovod.spark.torch.TorchEstimator``).
@@ -107,47 +103,46 @@ class TorchEstimator(HorovodEstimator):
             raise ValueError(f"label_shapes has {len(label_shapes)} shapes for {len(self.getLabelCols())} labels")
 
     def _fit_on_prepared_data(self, backend: Backend, dataset: Dataset) -> TorchModel:
-        from horovod.spark.torch.batches import default_input_shapes
-
         run_id = self._resolve_run_id()
-        store = self.getStore()
-        model = self.getModel()
-        optimizer = self.getOptimizer()
-        features, labels = list(self.getFeatureCols()), list(self.getLabelCols())
-        input_shapes = self.getInputShapes() or default_input_shapes(features, dataset.metadata)
-        checkpoint = None
-        if self._has_checkpoint(run_id):
-            checkpoint = store.read(store.get_checkpoint_path(run_id))
-            logger.info("horovod.spark: resuming run %s from its checkpoint", run_id)
-        batch_size = int(self.getBatchSize())
+        model, optimizer = self.getModel(), self.getOptimizer()
         spec = remote.TrainSpec(
-            model=model, optimizer_cls=type(optimizer), optimizer_groups=remote.optimizer_layout(optimizer, model),
-            optimizer_state=optimizer.state_dict(), loss_fns=self._loss_fns(), loss_weights=self._loss_weights(),
-            metrics=list(self.getMetrics() or []), feature_columns=features, label_columns=labels,
-            sample_weight_col=self.getSampleWeightCol(), input_shapes=[list(s) for s in input_shapes],
-            label_shapes=self.getLabelShapes(), remote_store=store.to_remote(run_id, dataset.dataset_idx),
-            dataset=dataset, batch_size=batch_size, val_batch_size=int(self.getValBatchSize() or batch_size),
-            epochs=int(self.getEpochs()), train_steps_per_epoch=self.getTrainStepsPerEpoch(),
-            validation_steps_per_epoch=self.getValidationStepsPerEpoch(), shuffle=bool(self.getShuffle()),
-            seed=self.getRandomSeed(), transformation_fn=self.getTransformationFn(),
-            inmemory_cache_all=bool(self.getInMemoryCacheAll()),
-            backward_passes_per_step=int(self.getBackwardPassesPerStep()),
-            gradient_compression=self.getGradientCompression(), train_minibatch_fn=self.getTrainMinibatchFn(),
-            use_gpu=bool(self.getUseGpu()), mp_start_method=self.getMpStartMethod(), verbose=int(self.getVerbose()),
-            checkpoint=checkpoint)
+            **worker_spec_fields(self, dataset, run_id), optimizer_cls=type(optimizer),
+            optimizer_groups=remote.optimizer_layout(optimizer, model), optimizer_state=optimizer.state_dict(),
+            loss_fns=self._loss_fns(), loss_weights=self._loss_weights(), metrics=list(self.getMetrics() or []),
+            label_shapes=self.getLabelShapes(), backward_passes_per_step=int(self.getBackwardPassesPerStep()),
+            gradient_compression=self.getGradientCompression(), train_minibatch_fn=self.getTrainMinibatchFn())
         result = backend.run(remote.train, args=(spec,))[0]
         trained = copy.deepcopy(model)
         trained.load_state_dict(result["model"])
         trained_optimizer = remote.rebuild_optimizer(type(optimizer), spec.optimizer_groups, trained)
         trained_optimizer.load_state_dict(result["optimizer"])
-        return TorchModel(history=result["history"], model=trained, feature_columns=features,
-                          input_shapes=[list(s) for s in input_shapes], label_columns=labels,
-                          optimizer=trained_optimizer, run_id=run_id, _metadata=dataset.metadata,
-                          loss=self.getLoss(), loss_constructors=self.getLossConstructors())
+        return TorchModel(history=result["history"], model=trained, feature_columns=spec.feature_columns,
+                          input_shapes=spec.input_shapes, label_columns=spec.label_columns, optimizer=trained_optimizer,
+                          run_id=run_id, _metadata=dataset.metadata, loss=self.getLoss(),
+                          loss_constructors=self.getLossConstructors())
 
 
 add_accessors(TorchEstimator, {"input_shapes": None, "loss_constructors": None, "train_minibatch_fn": None,
                                "backward_passes_per_step": None, "data_module": None})
+
+
+def worker_spec_fields(estimator: HorovodEstimator, dataset: Dataset, run_id: str) -> dict[str, Any]:
+    """The :class:`~horovod.spark.torch.remote.WorkerSpec` fields of a torch or Lightning estimator's ``fit``."""
+    from horovod.spark.torch.batches import default_input_shapes
+
+    features = list(estimator.getFeatureCols())
+    shapes = estimator.getOrDefault("input_shapes") or default_input_shapes(features, dataset.metadata)
+    batch_size = int(estimator.getBatchSize())
+    return dict(model=estimator.getModel(), feature_columns=features, label_columns=list(estimator.getLabelCols()),
+                sample_weight_col=estimator.getSampleWeightCol(), input_shapes=[list(s) for s in shapes],
+                remote_store=estimator.getStore().to_remote(run_id, dataset.dataset_idx), dataset=dataset,
+                batch_size=batch_size, val_batch_size=int(estimator.getValBatchSize() or batch_size),
+                epochs=int(estimator.getEpochs()), train_steps_per_epoch=estimator.getTrainStepsPerEpoch(),
+                validation_steps_per_epoch=estimator.getValidationStepsPerEpoch(), shuffle=bool(estimator.getShuffle()),
+                seed=estimator.getRandomSeed(), transformation_fn=estimator.getTransformationFn(),
+                inmemory_cache_all=bool(estimator.getInMemoryCacheAll()), use_gpu=bool(estimator.getUseGpu()),
+                mp_start_method=estimator.getMpStartMethod(), verbose=int(estimator.getVerbose()),
+                checkpoint=estimator._read_checkpoint(run_id))
 
 
 def check_input_shapes(features: Sequence[str], shapes: Sequence[Sequence[int]] | None,

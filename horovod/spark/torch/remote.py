@@ -16,30 +16,23 @@ import json
 import logging
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["TrainSpec", "train", "rebuild_optimizer", "optimizer_layout"]
+__all__ = ["WorkerSpec", "TrainSpec", "train", "init_worker", "rebuild_optimizer", "optimizer_layout"]
 
 logger = logging.getLogger("horovod.spark")
 
 
-@dataclass
-class TrainSpec:
-    """Everything the workers need, pickled once by the driver."""
+@dataclass(kw_only=True)
+class WorkerSpec:
+    """What the workers of the torch and Lightning estimators both need, pickled once by the driver."""
 
     model: Any
-    optimizer_cls: type
-    optimizer_groups: list[dict[str, Any]]      # hyper-parameters and parameter indices per group
-    optimizer_state: dict[str, Any]
-    loss_fns: list[Callable[..., Any]]
-    loss_weights: list[float]
-    metrics: list[Any]
     feature_columns: list[str]
     label_columns: list[str]
     sample_weight_col: str | None
     input_shapes: list[list[int]]
-    label_shapes: list[list[int]] | None
     remote_store: Any
     dataset: Any
     batch_size: int
@@ -51,14 +44,26 @@ class TrainSpec:
     seed: int | None
     transformation_fn: Callable[[Any], Any] | None
     inmemory_cache_all: bool
-    backward_passes_per_step: int
-    gradient_compression: Any
-    train_minibatch_fn: Callable[..., Any] | None
     use_gpu: bool
     mp_start_method: str | None
     verbose: int
     checkpoint: bytes | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(kw_only=True)
+class TrainSpec(WorkerSpec):
+    """A plain torch estimator's workers: the optimizer to rebuild, losses, metrics, the training step."""
+
+    optimizer_cls: type
+    optimizer_groups: list[dict[str, Any]]      # hyper-parameters and parameter indices per group
+    optimizer_state: dict[str, Any]
+    loss_fns: list[Callable[..., Any]]
+    loss_weights: list[float]
+    metrics: list[Any]
+    label_shapes: list[list[int]] | None
+    backward_passes_per_step: int
+    gradient_compression: Any
+    train_minibatch_fn: Callable[..., Any] | None
 
 
 def optimizer_layout(optimizer: Any, model: Any) -> list[dict[str, Any]]:
@@ -110,21 +115,29 @@ def _device(spec: TrainSpec, hvd: Any) -> Any:
     return None
 
 
-def train(spec: TrainSpec) -> dict[str, Any] | None:
-    """Train on this process's shard (see the module docstring); rank 0 returns ``{history, model, optimizer}``."""
+def init_worker(mp_start_method: str | None) -> tuple[int, int]:
+    """A training process's start: the multiprocessing start method first (as upstream), ``hvd.init()``; its
+    rank and the job's size."""
     import multiprocessing
 
+    import horovod.torch as hvd
+
+    if mp_start_method:
+        multiprocessing.set_start_method(mp_start_method, force=True)
+    hvd.init()
+    return hvd.rank(), hvd.size()
+
+
+def train(spec: TrainSpec) -> dict[str, Any] | None:
+    """Train on this process's shard (see the module docstring); rank 0 returns ``{history, model, optimizer}``."""
     import numpy as np
     import torch
 
     import horovod.torch as hvd
-    from horovod.spark.common.reader import ShardReader, steps_per_epoch
+    from horovod.spark.common.reader import ShardReader, open_readers, reader_columns
     from horovod.spark.torch import batches as tb
 
-    if spec.mp_start_method:
-        multiprocessing.set_start_method(spec.mp_start_method, force=True)
-    hvd.init()
-    rank, size = hvd.rank(), hvd.size()
+    rank, size = init_worker(spec.mp_start_method)
     if spec.seed is not None:
         torch.manual_seed(spec.seed)
         np.random.seed(spec.seed)
@@ -150,21 +163,12 @@ def train(spec: TrainSpec) -> dict[str, Any] | None:
                                          compression=compression,
                                          backward_passes_per_step=spec.backward_passes_per_step)
     dtype = tb.float_dtype(model)
-    columns = list(dict.fromkeys([*spec.feature_columns, *spec.label_columns,
-                                  *([spec.sample_weight_col] if spec.sample_weight_col else [])]))
-    dataset = spec.dataset
-    fs = spec.remote_store.filesystem
-    common = dict(metadata=dataset.metadata, transformation_fn=spec.transformation_fn,
-                  cache=spec.inmemory_cache_all)
-    train_reader = ShardReader(fs, dataset.train_data_path, columns, rank, size, spec.batch_size,
-                               shuffle=spec.shuffle, seed=spec.seed, **common)
-    train_steps = steps_per_epoch(dataset.train_rows, spec.batch_size, size, spec.train_steps_per_epoch)
-    val_reader = val_steps = None
-    if dataset.val_data_path and dataset.val_rows:
-        val_reader = ShardReader(fs, dataset.val_data_path, columns, rank, size, spec.val_batch_size, shuffle=False,
-                                 **common)
-        val_steps = steps_per_epoch(dataset.val_rows, spec.val_batch_size, size, spec.validation_steps_per_epoch,
-                                    ceil=True)
+    readers = open_readers(spec.dataset, spec.remote_store.filesystem,
+                           reader_columns(spec.feature_columns, spec.label_columns, spec.sample_weight_col), rank, size,
+                           batch_size=spec.batch_size, val_batch_size=spec.val_batch_size, shuffle=spec.shuffle,
+                           seed=spec.seed, transformation_fn=spec.transformation_fn, cache=spec.inmemory_cache_all,
+                           train_steps=spec.train_steps_per_epoch, val_steps=spec.validation_steps_per_epoch,
+                           val_ceil=True)
     metric_fns = _metric_names(spec.metrics, spec.label_columns)
     bpps = spec.backward_passes_per_step
 
@@ -222,10 +226,10 @@ def train(spec: TrainSpec) -> dict[str, Any] | None:
     with spec.remote_store.get_local_output_dir() as local_dir:
         writer = _summary_writer(os.path.join(local_dir, spec.remote_store.logs_subdir)) if rank == 0 else None
         for epoch in range(start_epoch, start_epoch + spec.epochs):
-            record: dict[str, Any] = {"epoch": epoch, "train": run_epoch(train_reader, train_steps, True)}
-            if val_reader is not None:
-                val_reader.reset()
-                record["validation"] = run_epoch(val_reader, val_steps, False)
+            record: dict[str, Any] = {"epoch": epoch, "train": run_epoch(readers.train, readers.train_steps, True)}
+            if readers.val is not None:
+                readers.val.reset()
+                record["validation"] = run_epoch(readers.val, readers.val_steps, False)
             history.append(record)
             if rank == 0:
                 if spec.verbose:

@@ -1,0 +1,35 @@
+"""Shared by the torch and Lightning estimator tests: the regression task ``y = X @ W + B`` and its checks."""
+
+from __future__ import annotations
+
+import numpy as np
+
+W, B = np.array([1.5, -2.0, 0.5]), 0.3
+
+
+def regression_frame(spark, rows: int = 320):
+    """``id``, ``features`` (a 3-vector), ``y = features @ W + B`` and ``is_val`` (every fifth row)."""
+    from pyspark.ml.linalg import Vectors
+
+    x = np.random.default_rng(0).normal(size=(rows, 3))
+    data = [(i, Vectors.dense(v.tolist()), float(t), i % 5 == 0) for i, (v, t) in enumerate(zip(x, x @ W + B))]
+    return spark.createDataFrame(data, ["id", "features", "y", "is_val"])
+
+
+def check_regression(torch_model, df, module, weight, bias) -> None:
+    """The learned parameters within 0.02 of the answer; ``transform``, row by row, equal to ``module`` run here
+    in one process and within 0.05 of the answer."""
+    import torch
+
+    np.testing.assert_allclose(weight.detach().numpy().ravel(), W, atol=0.02)
+    np.testing.assert_allclose(bias.detach().numpy(), [B], atol=0.02)
+    out = torch_model.transform(df.select("id", "features"))
+    assert out.columns == ["id", "features", "y__output"]
+    rows = out.orderBy("id").collect()
+    assert len(rows) == df.count()
+    x = np.stack([r["features"].toArray() for r in rows])
+    with torch.no_grad():
+        local = module(torch.from_numpy(x).float()).numpy().ravel()
+    predicted = np.array([r["y__output"] for r in rows])
+    np.testing.assert_allclose(predicted, local, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(predicted, x @ W + B, atol=0.05)

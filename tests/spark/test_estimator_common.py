@@ -329,3 +329,26 @@ def test_spark_backend_runs_with_horovod(estimator_spark):
         return hvd.rank(), hvd.size(), os.environ.get("HOROVOD_TEST_ESTIMATOR")
 
     assert backend.run(job) == [(0, 2, "yes"), (1, 2, "yes")]
+
+
+def test_fit_on_parquet(frame, tmp_path):
+    store = LocalStore(str(tmp_path))
+    estimator = FakeEstimator(model=W, store=store, backend=RecordingBackend(), feature_cols=["x"],
+                              label_cols=["yv", "yd"])
+    with pytest.raises(ValueError, match=r"intermediate_train_data path does not exist in the store"):
+        estimator.fit_on_parquet()
+    frame.select("x", "yv", "yd", "is_val").filter("not is_val").drop("is_val").write.parquet(
+        store.spark_path(store.get_train_data_path()))
+    frame.select("x", "yv", "yd", "is_val").filter("is_val").drop("is_val").write.parquet(
+        store.spark_path(store.get_val_data_path()))
+    model = estimator.fit_on_parquet()
+    seen = estimator.seen
+    assert (seen.train_rows, seen.val_rows) == (45, 15)
+    # Spark wrote the vector columns as its vector structs: read as dense arrays, typed as vectors again.
+    assert seen.metadata["x"]["shape"] == 2 and seen.metadata["yv"]["spark_data_type"] == "VectorUDT"
+    assert (seen.metadata["yd"]["shape"], seen.metadata["yd"]["intermediate_format"]) == (1, "nochange")
+    reader = ShardReader(store.filesystem, seen.train_data_path, ["x", "yv"], 0, 1, batch_size=45, shuffle=False)
+    batch = next(reader.batches(1))
+    np.testing.assert_allclose(batch["yv"], batch["x"] @ W)
+    row = model.transform(frame.select("x")).first()
+    np.testing.assert_allclose(row["yv__output"].toArray(), row["x"].toArray() @ W)

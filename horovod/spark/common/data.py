@@ -255,13 +255,17 @@ def dataset_from_parquet(store: Store, label_columns: Sequence[str] | None, feat
                          sample_weight_col: str | None = None, dataset_idx: int | None = None) -> Dataset:
     """The :class:`Dataset` of Parquet files already at the store's train (and val, if present) paths.
 
-    Column sizes come from the first row of the training data (list columns must have one size).
+    Column sizes come from the first row of the training data (list and vector columns must have one size);
+    vector columns Spark wrote as such (structs) are read as dense arrays.
 
     Raises:
         ValueError: ``<path> path does not exist in the store`` (upstream's text), missing columns, or no rows.
     """
     import pyarrow as pa
     import pyarrow.parquet as pq
+    from pyspark.ml.linalg import VectorUDT
+
+    from horovod.spark.common.reader import is_vector_struct
 
     train_path, val_path = store.get_train_data_path(dataset_idx), store.get_val_data_path(dataset_idx)
     if not store.is_parquet_dataset(train_path):
@@ -282,7 +286,12 @@ def dataset_from_parquet(store: Store, label_columns: Sequence[str] | None, feat
     metadata = {}
     for c in columns:
         kind = schema.field(c).type
-        if pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind):
+        if is_vector_struct(kind):
+            value = first[0][c] if first else None
+            size = 0 if value is None else int(value["size"]) if value["type"] == 0 else len(value["values"])
+            metadata[c] = {"spark_data_type": "VectorUDT", "spark_type_json": VectorUDT().json(), "shape": size,
+                           "max_size": size, "intermediate_format": ARRAY_FORMAT, "dtype": "float64"}
+        elif pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind):
             size = len(first[0][c]) if first and first[0][c] is not None else 0
             metadata[c] = {"spark_data_type": "ArrayType", "spark_type_json": None, "shape": size, "max_size": size,
                            "intermediate_format": ARRAY_FORMAT, "dtype": kind.value_type.to_pandas_dtype().__name__}

@@ -47,6 +47,8 @@ def column_to_numpy(values: Any, shape: int | None = None) -> np.ndarray:
 
     if isinstance(values, pa.ChunkedArray):
         values = values.combine_chunks()
+    if isinstance(values, pa.StructArray) and is_vector_struct(values.type):
+        return _vectors_to_numpy(values)
     if isinstance(values, pa.Array):
         if pa.types.is_list(values.type) or pa.types.is_large_list(values.type) or \
                 pa.types.is_fixed_size_list(values.type):
@@ -57,6 +59,32 @@ def column_to_numpy(values: Any, shape: int | None = None) -> np.ndarray:
     if array.dtype == object and len(array) and isinstance(array[0], (list, tuple, np.ndarray)):
         return np.stack([np.asarray(v) for v in array])
     return array
+
+
+def is_vector_struct(kind: Any) -> bool:
+    """Whether an Arrow type is how Spark writes a ``VectorUDT`` column to Parquet (type, size, indices, values)."""
+    import pyarrow as pa
+
+    return pa.types.is_struct(kind) and {kind.field(i).name for i in range(kind.num_fields)} >= {
+        "type", "size", "indices", "values"}
+
+
+def _vectors_to_numpy(values: Any) -> np.ndarray:
+    """Spark ML vectors as written to Parquet (1: dense, 0: sparse with ``size``) as a dense ``(rows, size)`` array."""
+    kinds = values.field("type").to_numpy(zero_copy_only=False)
+    dense = values.field("values")
+    if len(kinds) and (kinds == 1).all():
+        return dense.flatten().to_numpy(zero_copy_only=False).reshape(len(values), -1)
+    rows = []
+    for kind, size, indices, vals in zip(kinds, values.field("size").to_pylist(), values.field("indices").to_pylist(),
+                                         dense.to_pylist()):
+        if kind == 1:
+            rows.append(np.asarray(vals, dtype=np.float64))
+        else:
+            row = np.zeros(size, dtype=np.float64)
+            row[np.asarray(indices, dtype=np.int64)] = vals
+            rows.append(row)
+    return np.stack(rows) if rows else np.zeros((0, 0))
 
 
 def _row_groups(filesystem: Any, files: Sequence[str]) -> list[tuple[str, int, int]]:

@@ -46,15 +46,23 @@ JOB = textwrap.dedent("""\
 WARMUP, STEPS_PER_SAMPLE, BAYES = 1, 2, 5
 # trials: Bayesian ones + the cache both ways; each is 5 samples of STEPS_PER_SAMPLE steps (+1 to start)
 STEPS = (WARMUP + BAYES + 2) * (5 * STEPS_PER_SAMPLE + 1) + 15
+# across hosts, hierarchical allreduce and allgather are tried both ways too
+STEPS_MULTIHOST = (WARMUP + BAYES + 6) * (5 * STEPS_PER_SAMPLE + 1) + 15
 
 
 def _check(tmp_path, np_, code, out, marker, log):
     assert not marked_processes(marker), "processes left behind"
     assert code == 0, out
+    check_log_and_histories(tmp_path, np_, log, booleans=1)
+
+
+def check_log_and_histories(tmp_path, np_, log, booleans: int) -> list[list[str]]:
+    """The log has upstream's format and the search's trials (``booleans`` tried both ways after the Bayesian
+    stage); every rank applied the same parameters at the same points.  Returns the trial rows."""
     rows = list(csv.reader(log.read_text().splitlines()))
     assert ",".join(rows[0]) == LOG_HEADER
     trials, best = rows[1:-1], rows[-1]
-    assert len(trials) == BAYES + 2, rows  # single host: fusion + cycle time (Bayesian), then the cache
+    assert len(trials) == BAYES + 2 * booleans, rows
     assert best in trials[-2:] and best == max(trials[-2:], key=lambda row: float(row[-1]))  # cache off/on
     assert all(float(row[-1]) > 0 for row in trials)
     assert trials[0][4:6] == ["1", str(128 * MIB)]  # the defaults are measured first
@@ -67,6 +75,7 @@ def _check(tmp_path, np_, code, out, marker, log):
     last = applied[-1][1]  # hierarchical_allreduce, _allgather, torus, cache, cycle ms, threshold
     assert [str(int(v)) for v in last[:4]] + [f"{last[4]:g}", str(last[5])] == best[:6]
     assert [at for at, _ in applied] == sorted(at for at, _ in applied)
+    return trials
 
 
 def test_autotune_env_np2(tmp_path):

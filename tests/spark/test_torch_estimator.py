@@ -5,6 +5,7 @@
 * a checkpoint resume: a second ``fit`` with the same ``run_id`` trains ``epochs`` more epochs from the checkpoint;
 * classification with sample weights: rows with wrong labels and weight 0 do not move the boundary (accuracy on
   the true labels >= 0.95; a reference run here without the weights gets < 0.8), a metric in the history;
+* ``backward_passes_per_step=2``: half as many optimizer steps as batches;
 * bad input: upstream's errors.
 """
 
@@ -144,6 +145,18 @@ def test_classification_sample_weights_and_metrics(estimator_spark, tmp_path):
         optimizer.step()
     with torch.no_grad():
         assert (reference(a, b).argmax(dim=1).numpy() == truth).mean() < 0.8
+
+
+def test_backward_passes_per_step(regression, tmp_path):
+    """320 rows, batch 16, 2 processes: 10 batches per epoch, gradients of 2 batches per optimizer step."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)
+    fitted = _linear_estimator(Store.create(str(tmp_path)), model, optimizer=torch.optim.Adam(model.parameters()),
+                               epochs=1, backward_passes_per_step=2, feature_cols=["features"],
+                               label_cols=["y"]).fit(regression.drop("is_val"))
+    state = fitted.getOptimizer().state_dict()["state"]
+    assert [int(s["step"]) for s in state.values()] == [5, 5]
+    assert fitted.getHistory()[0]["train"]["loss"] > 0
 
 
 def test_bad_input(regression, tmp_path):

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import io
 import os
-import shutil
 import signal
 import sys
 import threading
@@ -20,38 +19,21 @@ import cloudpickle
 import numpy as np
 import psutil
 import pytest
+from spark_session import local_spark_session, skip_or_fail_without_spark
 
 MARKER = "HOROVOD_TEST_SPARK_MARKER"
-REQUIRE = os.environ.get("HOROVOD_TEST_REQUIRE_SPARK") == "1"
-
 pytestmark = pytest.mark.timeout(180)
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the workers cannot import this test module
 
 
-def _skip_or_fail(reason: str) -> None:
-    if REQUIRE:
-        pytest.fail(f"Spark tests required (HOROVOD_TEST_REQUIRE_SPARK=1) but unavailable: {reason}")
-    pytest.skip(reason)
-
-
 @pytest.fixture(scope="module")
 def spark():
-    try:
-        import pyspark  # noqa: F401
-        from pyspark.sql import SparkSession
-    except ImportError as e:
-        _skip_or_fail(f"pyspark is not installed ({e}); pip install 'horovod[spark]'")
-    if shutil.which("java") is None and not os.environ.get("JAVA_HOME"):
-        _skip_or_fail("no Java runtime (java not on PATH, JAVA_HOME unset); Spark needs Java 17+")
+    skip_or_fail_without_spark()
     os.environ["HOROVOD_TEST_SPARK_UNSET"] = "executor"  # the executors inherit it (local mode)
     # local[2, 4]: two task slots; a failed task is retried (up to 4 attempts), which run_elastic relies on
     # (barrier stages of run() are never retried: a failed task fails the job).
-    session = (SparkSession.builder.master("local[2,4]").appName("horovod-spark-tests")
-               .config("spark.ui.enabled", "false").config("spark.ui.showConsoleProgress", "false")
-               .config("spark.driver.bindAddress", "127.0.0.1").config("spark.driver.host", "127.0.0.1")
-               .getOrCreate())
-    session.sparkContext.setLogLevel("ERROR")
+    session = local_spark_session("local[2,4]", "horovod-spark-tests")
     try:
         yield session
     finally:

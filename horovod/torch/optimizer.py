@@ -64,7 +64,8 @@ _STEP_AFTER_SYNC = ("optimizer.step() called without optimizer.skip_synchronize(
 # larger gradient is reduced alone as soon as it is ready (no copy, and it overlaps the rest of backward).
 # Measured on the 164-tensor model of benchmarks/torch_training.py (np=2, CPU time per step, one launch):
 # per-tensor 38-42 ms, 1 MiB buckets 38.6, 4 MiB 33-35, one bucket 31, DDP 35.5; on the MLP (8 tensors, 3 of
-# them > 256 KiB) the small ones in one bucket cost the same CPU as reducing them alone.
+# them > 256 KiB) the small ones in one bucket cost the same CPU as reducing them alone.  A first bucket of
+# 1-2 MiB (DDP starts with 1 MiB) cost 1.2 ms more CPU per step there and gained no wall time.
 _SMALL_BYTES = 256 * 1024
 _BUCKET_BYTES = 25 * 1024 * 1024
 _BUCKET_DTYPES = frozenset({torch.float16, torch.float32, torch.float64})

@@ -150,3 +150,24 @@ def test_sparse_gradient_in_a_bucket_goes_alone():
         for i in (r % 10, (r + 3) % 10):
             expected[i] += w.sum(0) / SIZE
     torch.testing.assert_close(emb.weight.grad.to_dense(), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_one_bucket_per_dtype():
+    torch.manual_seed(0)
+    first, second = nn.Linear(6, 5), nn.Linear(5, 3).double()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(list(first.parameters()) + list(second.parameters()), lr=0.1),
+                                   named_parameters=[("a.w", first.weight), ("a.b", first.bias),
+                                                     ("b.w", second.weight), ("b.b", second.bias)])
+    assert sorted(str(b.flat.dtype) for b in opt._buckets) == ["torch.float32", "torch.float64"]
+    expected_first = [torch.zeros_like(p) for p in first.parameters()]
+    expected_second = [torch.zeros_like(p) for p in second.parameters()]
+    for r in range(SIZE):
+        ref1, ref2 = copy.deepcopy(first), copy.deepcopy(second)
+        x = torch.randn(4, 6, generator=torch.Generator().manual_seed(r))
+        ref2(ref1(x).double()).sum().backward()
+        for e, p in zip(expected_first + expected_second, list(ref1.parameters()) + list(ref2.parameters())):
+            e += p.grad / SIZE
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(RANK))
+    second(first(x).double()).sum().backward()
+    for e, p in zip(expected_first + expected_second, list(first.parameters()) + list(second.parameters())):
+        torch.testing.assert_close(p.grad, e)

@@ -30,15 +30,16 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the workers canno
 @pytest.fixture(scope="module")
 def spark():
     skip_or_fail_without_spark()
-    os.environ["HOROVOD_TEST_SPARK_UNSET"] = "executor"  # the executors inherit it (local mode)
     # local[2, 4]: two task slots; a failed task is retried (up to 4 attempts), which run_elastic relies on
-    # (barrier stages of run() are never retried: a failed task fails the job).
-    session = local_spark_session("local[2,4]", "horovod-spark-tests")
+    # (barrier stages of run() are never retried: a failed task fails the job). The executors get
+    # HOROVOD_TEST_SPARK_UNSET through Spark's executor environment, not this process's: the JVM (and so the
+    # Python workers it forks) may have started earlier, for another test module's session.
+    session = local_spark_session("local[2,4]", "horovod-spark-tests",
+                                  **{"spark.executorEnv.HOROVOD_TEST_SPARK_UNSET": "executor"})
     try:
         yield session
     finally:
         session.stop()
-        os.environ.pop("HOROVOD_TEST_SPARK_UNSET", None)
 
 
 @pytest.fixture

@@ -24,8 +24,8 @@ __all__ = [
     "HorovodBasics", "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
     "cross_rank", "cross_size", "is_homogeneous", "mpi_threads_supported", "mpi_enabled", "mpi_built",
     "gloo_enabled", "gloo_built", "nccl_built", "ddl_built", "ccl_built", "cuda_built", "rocm_built",
-    "start_timeline", "stop_timeline", "engine", "process_set_ranks", "Average", "Sum", "Adasum", "Min", "Max",
-    "Product",
+    "start_timeline", "stop_timeline", "show_in_timeline_as", "engine", "process_set_ranks", "Average", "Sum",
+    "Adasum", "Min", "Max", "Product",
 ]
 
 if TYPE_CHECKING:  # process_sets imports this module (ProcessSet.rank() asks it): no import back
@@ -41,6 +41,7 @@ NOT_INITIALIZED = "Horovod has not been initialized; use hvd.init()."
 
 _lock = threading.RLock()
 _engine: Engine | None = None
+_timeline_rows: dict[str, tuple[str, ...]] = {}  # show_in_timeline_as(): engine name -> timeline rows
 _static_sets: list[ProcessSet] = []
 _dynamic_counter = 0
 # Upstream's flag: True from a successful init() until this process calls shutdown().  A shutdown started by
@@ -91,6 +92,9 @@ def init(comm=None, process_sets: Sequence[ProcessSet] | str | None = None) -> N
             if mpi is not None:
                 mpi.close()
             raise
+        if engine.timeline is not None:
+            for name, members in _timeline_rows.items():
+                engine.timeline.show_as(name, members)
         engine.start()
         _engine = engine
         _mpi = mpi
@@ -261,6 +265,16 @@ def stop_timeline() -> None:
     e = engine()
     if e.timeline is not None:
         e.timeline.stop()
+
+
+def show_in_timeline_as(name: str, members: Sequence[str]) -> None:
+    """Draw the collective named ``name`` (its core name, e.g. ``allreduce.bucket.x``) on the timeline rows of
+    ``members``: an adapter that reduces several tensors as one (horovod.torch's gradient buckets) keeps a row
+    per tensor, as upstream's timeline has.  Kept across re-initialisation (elastic resets)."""
+    _timeline_rows[name] = tuple(members)
+    e = _engine
+    if e is not None and e.timeline is not None:
+        e.timeline.show_as(name, _timeline_rows[name])
 
 
 # ---------------------------------------------------------------------- dynamic process sets

@@ -2,7 +2,9 @@
 
 A writer thread appends records; after every record the file ends with ``]`` so it is valid JSON at any
 moment (the writer seeks back over the ``]`` before appending).  Negotiation phases are recorded by the
-coordinator (which lives on rank 0), execution phases by rank 0's engine.
+coordinator (which lives on rank 0), execution phases by rank 0's engine.  A tensor that stands for several
+(horovod.torch's gradient buckets) is drawn as each of its members (:meth:`Timeline.show_as`), so the timeline
+still has a row per gradient, as upstream's does.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ class Timeline:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._pids: dict[str, int] = {}
         self._open: dict[str, list[str]] = {}  # name -> stack of open activities
+        self._members: dict[str, tuple[str, ...]] = {}  # a bucket's engine name -> the names it is drawn as
         self._start_us = 0.0
         self._file = None
         self._active = False
@@ -57,6 +60,13 @@ class Timeline:
     def active(self) -> bool:
         return self._active
 
+    def show_as(self, name: str, members: tuple[str, ...]) -> None:
+        """Draw every event of the engine tensor ``name`` on the rows of ``members`` instead of its own."""
+        self._members[name] = tuple(members)
+
+    def _rows(self, name: str) -> tuple[str, ...]:
+        return self._members.get(name) or (name,)
+
     # -------------------------------------------------------------- events (engine thread)
     def _ts(self) -> int:
         return int(time.time() * 1e6 - self._start_us)
@@ -74,33 +84,42 @@ class Timeline:
 
     def negotiate_start(self, name: str, request_type: int) -> None:
         if self._active:
-            self.begin(name, "NEGOTIATE_" + OP_DISPLAY.get(request_type, str(request_type)))
+            for row in self._rows(name):
+                self._begin(row, "NEGOTIATE_" + OP_DISPLAY.get(request_type, str(request_type)))
 
     def negotiate_rank_ready(self, name: str, rank: int, request_type: int | None = None) -> None:
         if self._active:
-            if request_type is not None and not self._open.get(name):
-                # negotiation began before the timeline was switched on: open its bar now
-                self.begin(name, "NEGOTIATE_" + OP_DISPLAY.get(request_type, str(request_type)))
-            self._emit({"ph": "X", "name": str(rank), "ts": self._ts(), "pid": self._pid(name), "dur": 0})
+            for row in self._rows(name):
+                if request_type is not None and not self._open.get(row):
+                    # negotiation began before the timeline was switched on: open its bar now
+                    self._begin(row, "NEGOTIATE_" + OP_DISPLAY.get(request_type, str(request_type)))
+                self._emit({"ph": "X", "name": str(rank), "ts": self._ts(), "pid": self._pid(row), "dur": 0})
 
     def negotiate_end(self, name: str) -> None:
-        if self._active:
-            self.end(name)
+        self.end(name)
 
     def begin(self, name: str, activity: str) -> None:
         if self._active:
-            self._open.setdefault(name, []).append(activity)
-            self._emit({"ph": "B", "name": activity, "ts": self._ts(), "pid": self._pid(name)})
+            for row in self._rows(name):
+                self._begin(row, activity)
 
     def end(self, name: str, args: dict | None = None) -> None:
         if self._active:
-            stack = self._open.get(name)
-            if stack:
-                stack.pop()
-            record = {"ph": "E", "ts": self._ts(), "pid": self._pid(name)}
-            if args:
-                record["args"] = args
-            self._emit(record)
+            for row in self._rows(name):
+                self._end(row, args)
+
+    def _begin(self, row: str, activity: str) -> None:
+        self._open.setdefault(row, []).append(activity)
+        self._emit({"ph": "B", "name": activity, "ts": self._ts(), "pid": self._pid(row)})
+
+    def _end(self, row: str, args: dict | None) -> None:
+        stack = self._open.get(row)
+        if stack:
+            stack.pop()
+        record = {"ph": "E", "ts": self._ts(), "pid": self._pid(row)}
+        if args:
+            record["args"] = args
+        self._emit(record)
 
     def mark_cycle(self) -> None:
         if self._active and self.mark_cycles:

@@ -271,7 +271,11 @@ class _DistributedOptimizer:
             members = open_.pop(dtype, [])
             sizes.pop(dtype, None)
             if len(members) > 1:
-                bucket = _Bucket(f"bucket.{len(self._buckets)}", members)
+                # named after its first gradient: unique across optimizers (bucket.<i> was not), the same on
+                # every rank; the timeline draws it on its gradients' rows (issue 11: a row per tensor)
+                bucket = _Bucket(f"bucket.{self._parameter_names[members[0]]}", members)
+                basics.show_in_timeline_as(f"allreduce.{bucket.name}",
+                                           [f"allreduce.{self._parameter_names[p]}" for p in members])
                 self._buckets.append(bucket)
                 for i, p in enumerate(members):
                     self._bucket_of[p] = (bucket, i)

@@ -32,9 +32,9 @@ import numpy as np
 from horovod.base.config import RuntimeConfig
 from horovod.base.reduce_ops import data_plane_op
 from horovod.runtime.messages import DTYPES, Request, RequestType, Response
-from horovod.runtime.scaling import scale_inplace, scaled_copy
 from horovod.runtime.validation import build_response
 from horovod.transport.communicator import apply_reduce, reduce_into
+from horovod.transport.scaling import scale_inplace, scaled_copy
 
 __all__ = ["Coordinator", "collective_failure"]
 

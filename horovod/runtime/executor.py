@@ -15,8 +15,8 @@ from horovod.base.exceptions import PreconditionError
 from horovod.base.reduce_ops import data_plane_op
 from horovod.runtime.messages import DTYPES, RequestType, Response
 from horovod.runtime.queue import TensorEntry, TensorQueue
-from horovod.runtime.scaling import scale_inplace, scaled_copy
 from horovod.transport.communicator import Communicator
+from horovod.transport.scaling import scale_inplace, scaled_copy
 
 __all__ = ["Executor", "CollectiveFailure"]
 
@@ -138,10 +138,9 @@ class Executor:
                 src = flat
             if act:
                 act(resp.names[0], "GLOO_ALLREDUCE")
-            comm.allreduce(src, flat, op)
+            comm.allreduce_scaled(src, flat, op, postscale)
             if act:
                 timeline.end(resp.names[0])
-            scale_inplace(flat, postscale)
             return [out]
         if act:
             for name in resp.names:
@@ -157,8 +156,7 @@ class Executor:
                 timeline.end(name)
                 act(name, "GLOO_ALLREDUCE")
         scale_inplace(buf, resp.prescale)
-        comm.allreduce(buf, buf, op)
-        scale_inplace(buf, postscale)
+        comm.allreduce_scaled(buf, buf, op, postscale)
         if act:
             for name in resp.names:
                 timeline.end(name)

@@ -18,6 +18,7 @@ import abc
 import numpy as np
 
 from horovod.base.reduce_ops import ReduceOp
+from horovod.transport.scaling import scale_inplace
 
 __all__ = ["ReduceOp", "Communicator", "PeerFailure", "apply_reduce", "reduce_into"]
 
@@ -73,6 +74,14 @@ class Communicator(abc.ABC):
     @abc.abstractmethod
     def allreduce(self, inp: np.ndarray, out: np.ndarray, op: ReduceOp) -> None:
         """``out = reduce(inp of every member)``.  ``inp`` may be ``out`` (in place)."""
+
+    def allreduce_scaled(self, inp: np.ndarray, out: np.ndarray, op: ReduceOp, scale: float) -> None:
+        """``allreduce`` then ``out *= scale`` (the runtime's postscale: Average, ``postscale_factor``) with
+        :mod:`horovod.transport.scaling`'s dtype rules.  Transports in which each member reduces a part
+        override it to scale that part once, before the others copy it: a pass over 1/size of the buffer
+        instead of all of it, and every member still gets the same bits."""
+        self.allreduce(inp, out, op)
+        scale_inplace(out, scale)
 
     @abc.abstractmethod
     def allgatherv(self, inp: np.ndarray, out: np.ndarray, counts: list[int]) -> None:

@@ -66,13 +66,16 @@ class HierarchicalCommunicator(Communicator):
         self._contiguous = [i for m in self.host_members for i in m] == list(range(self.size))
 
     def allreduce(self, inp: np.ndarray, out: np.ndarray, op: ReduceOp) -> None:
+        self.allreduce_scaled(inp, out, op, 1.0)
+
+    def allreduce_scaled(self, inp: np.ndarray, out: np.ndarray, op: ReduceOp, scale: float) -> None:
         if not self.allreduce_hierarchical or inp.nbytes <= self.small_bytes or inp.size < self.local_size:
-            self.flat.allreduce(inp, out, op)
+            self.flat.allreduce_scaled(inp, out, op, scale)
             return
         counts = split_counts(inp.size, self.local_size)
         share = np.empty(counts[self.local_rank], inp.dtype)
         self.local.reducescatterv(inp, share, counts, op)
-        self.cross.allreduce(share, share, op)
+        self.cross.allreduce_scaled(share, share, op, scale)  # this host's share, scaled once
         self.local.allgatherv(share, out, counts)
 
     def allgatherv(self, inp: np.ndarray, out: np.ndarray, counts: list[int]) -> None:

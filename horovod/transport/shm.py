@@ -11,7 +11,8 @@ is reduced and copied.  Members signal each other with one-byte tokens over the 
 (the kernel wakes the waiter: no spinning).  Allreduce, per piece ``k`` (member ``r`` owns region ``r``)::
 
     copy_in(k+1): my input parts the others own -> my slot (k+1)%2, their regions
-    reduce(k):    my part = all members' inputs of it, in member order -> my slot k%2, region r; -> out
+    reduce(k):    my part = all members' inputs of it, in member order (then scaled) -> my slot k%2,
+                  region r; -> out
     signal;  copy_out(k): the others' reduced parts from their slots k%2 -> out
 
 One token round per piece suffices: a slot is rewritten two rounds after it was read, and every reader
@@ -35,6 +36,7 @@ from horovod.base.exceptions import WireError
 from horovod.transport.buffers import copy_into, offsets, place
 from horovod.transport.communicator import Communicator, PeerFailure, ReduceOp, reduce_into
 from horovod.transport.mesh import Mesh
+from horovod.transport.scaling import scale_inplace
 from horovod.transport.tcp import TcpCommunicator
 
 __all__ = ["ShmCommunicator", "PIECE_BYTES", "SMALL_BYTES"]
@@ -143,8 +145,11 @@ class ShmCommunicator(Communicator):
 
     # -- allreduce -----------------------------------------------------------------------------------
     def allreduce(self, inp: np.ndarray, out: np.ndarray, op: ReduceOp) -> None:
+        self.allreduce_scaled(inp, out, op, 1.0)
+
+    def allreduce_scaled(self, inp: np.ndarray, out: np.ndarray, op: ReduceOp, scale: float) -> None:
         if self.size == 1 or inp.nbytes <= self.small_bytes:
-            self.sockets.allreduce(inp, out, op)
+            self.sockets.allreduce_scaled(inp, out, op, scale)
             return
         self._ready()
         dtype, size, me = inp.dtype, self.size, self.rank
@@ -178,6 +183,7 @@ class ShmCommunicator(Communicator):
                 reduce_into(op, srcs[0], srcs[1], dst)
                 for src in srcs[2:]:
                     reduce_into(op, dst, src, dst)
+                scale_inplace(dst, scale)  # my part only, still in cache; the others copy it scaled
                 copy_into(out[lo:hi], dst)
             if k + 1 < npieces:
                 copy_in(k + 1)

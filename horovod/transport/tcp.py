@@ -27,6 +27,7 @@ from horovod.base.config import RuntimeConfig
 from horovod.transport.buffers import copy_into, offsets, place, split_counts
 from horovod.transport.communicator import Communicator, ReduceOp, reduce_into
 from horovod.transport.mesh import Mesh
+from horovod.transport.scaling import scale_inplace
 from horovod.transport.wire import Channel, Transfer, byte_view, exchange
 
 __all__ = ["TcpCommunicator"]
@@ -80,15 +81,19 @@ class TcpCommunicator(Communicator):
 
     # -- allreduce -----------------------------------------------------------------------------------
     def allreduce(self, inp: np.ndarray, out: np.ndarray, op: ReduceOp) -> None:
+        self.allreduce_scaled(inp, out, op, 1.0)
+
+    def allreduce_scaled(self, inp: np.ndarray, out: np.ndarray, op: ReduceOp, scale: float) -> None:
         n = inp.size
         if self.size == 1 or n == 0:
             if out is not inp and n:
                 copy_into(out, inp)
-            return
-        if inp.nbytes <= self.small_bytes or n < self.size:
+            scale_inplace(out, scale)
+        elif inp.nbytes <= self.small_bytes or n < self.size:
             self._allreduce_direct(inp, out, op)
+            scale_inplace(out, scale)
         else:
-            self._allreduce_ring(inp, out, op)
+            self._allreduce_ring(inp, out, op, scale)
 
     def _allreduce_direct(self, inp: np.ndarray, out: np.ndarray, op: ReduceOp) -> None:
         me, size = self.rank, self.size
@@ -123,7 +128,7 @@ class TcpCommunicator(Communicator):
 
         return progress
 
-    def _allreduce_ring(self, inp: np.ndarray, out: np.ndarray, op: ReduceOp) -> None:
+    def _allreduce_ring(self, inp: np.ndarray, out: np.ndarray, op: ReduceOp, scale: float) -> None:
         me, size = self.rank, self.size
         counts = split_counts(inp.size, size)
         offs = offsets(counts)
@@ -141,6 +146,7 @@ class TcpCommunicator(Communicator):
             got = tmp[:counts[recv_c]]
             progress = self._reduce_piecewise(op, block(inp, recv_c), got, block(out, recv_c), itemsize)
             self._xchg([Transfer(right, src)], [Transfer(left, got, progress)])
+        scale_inplace(block(out, me), scale)  # the block I own, before the others receive it
         # Allgather: at step s send block me-s, receive block me-s-1 straight into ``out``.
         for s in range(size - 1):
             send_c, recv_c = (me - s) % size, (me - s - 1) % size

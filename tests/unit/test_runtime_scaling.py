@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from horovod.runtime.scaling import scale_inplace, scaled_copy
+from horovod.transport.scaling import scale_inplace, scaled_copy
 
 try:
     import ml_dtypes

@@ -53,6 +53,18 @@ def _reduce(op: ReduceOp, arrays: list[np.ndarray]) -> np.ndarray:
     return acc
 
 
+def _scaled(acc: np.ndarray, scale: float) -> np.ndarray:
+    """Upstream's postscale rules, written out: integers in float64 truncated toward zero, 16-bit floats in
+    float32, other floats in their own precision, bool untouched."""
+    if acc.dtype == np.bool_:
+        return acc
+    if acc.dtype.kind in "iu":
+        return np.trunc(acc.astype(np.float64) * scale).astype(acc.dtype)
+    if acc.dtype.itemsize == 2:
+        return (acc.astype(np.float32) * np.float32(scale)).astype(acc.dtype)
+    return acc * acc.dtype.type(scale)
+
+
 def _make(ctx: Ctx, backend: str, ranks: list[int]):
     from horovod.transport.hierarchical import HierarchicalCommunicator
     from horovod.transport.shm import ShmCommunicator
@@ -93,6 +105,10 @@ def _check_all(ctx: Ctx) -> list[str]:
             buf = ins[me].copy()
             comm.allreduce(buf, buf, ReduceOp.SUM)
             expect(f"allreduce in-place {dname} n={n}", buf, _reduce(ReduceOp.SUM, ins))
+            for scale in (1.0 / size, 2.5):  # Average's postscale, and one that grows the values
+                out = np.empty(n, dt)
+                comm.allreduce_scaled(ins[me].copy(), out, ReduceOp.SUM, scale)
+                expect(f"allreduce scaled {dname} n={n} x{scale}", out, _scaled(_reduce(ReduceOp.SUM, ins), scale))
 
             counts = [(n + 3 * r) % 11 for r in range(size)]
             gins = [_input(r, counts[r], dt, 1) for r in range(size)]
@@ -128,6 +144,8 @@ def _check_all(ctx: Ctx) -> list[str]:
     for n in (5, 3000, 70_000):
         x = np.random.default_rng(me + n).standard_normal(n).astype(np.float32)
         comm.allreduce(x, x, ReduceOp.SUM)
+        digests.append(hashlib.sha256(x.tobytes()).hexdigest())
+        comm.allreduce_scaled(x, x, ReduceOp.SUM, 1.0 / 3)  # each part scaled by one member: same bits
         digests.append(hashlib.sha256(x.tobytes()).hexdigest())
     comm.close()
     return bad + [f"digest {d}" for d in digests]

@@ -19,11 +19,12 @@ from horovod.common.naming import auto_name
 from horovod.common.process_sets import ProcessSet, global_process_set
 from horovod.runtime.messages import Request, RequestType, dtype_code
 from horovod.runtime.queue import Handle
+from horovod.transport.buffers import Pieces
 
 __all__ = [
     "handle_average_backwards_compatibility", "allreduce", "grouped_allreduce", "allgather",
     "grouped_allgather", "broadcast", "alltoall", "reducescatter", "grouped_reducescatter", "join", "barrier",
-    "auto_name",
+    "auto_name", "Pieces",
 ]
 
 _OP_NAMES = {RequestType.ALLREDUCE: "Allreduce", RequestType.ALLGATHER: "Allgather",
@@ -84,6 +85,9 @@ def allreduce(tensor, output: np.ndarray | None = None, *, name: str | None = No
               process_set: ProcessSet = global_process_set, wake: bool = True) -> Handle:
     """Enqueue an allreduce; ``output`` (may be ``tensor`` itself) receives the result in place.
 
+    ``tensor`` may be :class:`~horovod.transport.buffers.Pieces` (several arrays reduced as their 1-D
+    concatenation, which the shared-memory transport never makes).
+
     ``wake=False`` when the caller calls ``wait()`` right away: the waiting thread runs the engine's round
     itself, so waking the engine thread would only cost a thread hand-over."""
     if op not in _PLAIN_OPS:
@@ -94,7 +98,7 @@ def allreduce(tensor, output: np.ndarray | None = None, *, name: str | None = No
     else:
         ps_id, _ = _set_id(process_set, RequestType.ALLREDUCE)
         engine = basics.engine()
-    arr = tensor if type(tensor) is np.ndarray else np.asarray(tensor)
+    arr = tensor if type(tensor) is np.ndarray or type(tensor) is Pieces else np.asarray(tensor)
     req = Request(RequestType.ALLREDUCE, ps_id, name or auto_name("allreduce", ps_id), dtype_code(arr.dtype),
                   arr.shape, -1, op, float(prescale_factor), float(postscale_factor))
     return engine.enqueue_one(req, arr, output, wake)

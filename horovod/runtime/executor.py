@@ -15,6 +15,7 @@ from horovod.base.exceptions import PreconditionError
 from horovod.base.reduce_ops import data_plane_op
 from horovod.runtime.messages import DTYPES, RequestType, Response
 from horovod.runtime.queue import TensorEntry, TensorQueue
+from horovod.transport.buffers import Pieces
 from horovod.transport.communicator import Communicator
 from horovod.transport.scaling import scale_inplace, scaled_copy
 
@@ -133,6 +134,8 @@ class Executor:
                 src = np.zeros(_numel(shape), dtype)
             else:  # in place: hand the communicator the very same view so it sees ``inp is out``
                 src = flat if e.output is e.tensor else e.tensor.reshape(-1)
+            if type(src) is Pieces and (resp.prescale != 1.0 or not comm.reads_pieces):
+                src = src.concatenate(flat)
             if resp.prescale != 1.0:
                 scaled_copy(src, resp.prescale, flat)
                 src = flat

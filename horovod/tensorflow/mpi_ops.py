@@ -107,30 +107,31 @@ def _flat_allreduce(tensors: list[tf.Tensor], *, op: int, prescale_factor: float
                     name: str | None, process_set: ProcessSet) -> list[tf.Tensor]:
     """Graph-mode (grouped) allreduce as *one* flat engine tensor reduced straight into TensorFlow memory.
 
-    TensorFlow concatenates the inputs (one fast copy on its own thread); the engine reduces that buffer
-    (single-tensor path: no fusion-buffer allocation, no copy in or out) into a 64-byte aligned numpy array,
-    which becomes a TF tensor through DLPack without a copy (:func:`_bridge.as_tf_tensor`) once the engine
-    is done, and goes through the receive queue as is; the per-tensor results are dim-0 slices of it
-    (TensorFlow shares the buffer for aligned slices) and reshapes.  Every rank builds the same graph, so
-    the single name negotiates as the group did."""
+    The inputs reach the engine as :class:`~horovod.common.ops.Pieces` of one flat tensor (numpy views of
+    TensorFlow's buffers; the shared-memory transport copies and reduces straight from them, so nothing
+    concatenates them first); the engine reduces them (single-tensor path: no fusion buffer) into a 64-byte
+    aligned numpy array, which becomes a TF tensor through DLPack without a copy
+    (:func:`_bridge.as_tf_tensor`) once the engine is done, and goes through the receive queue as is; the
+    per-tensor results are dim-0 slices of it (TensorFlow shares the buffer for aligned slices) and
+    reshapes.  Every rank builds the same graph, so the single name negotiates as the group did."""
     dtype = tensors[0].dtype
     shapes = [t.shape for t in tensors]
     sizes = [s.num_elements() for s in shapes]
     total = sum(sizes)
-    flat_in = tf.reshape(tensors[0], [-1]) if len(tensors) == 1 else \
-        tf.concat([tf.reshape(t, [-1]) for t in tensors], 0)
+    flat_in = [tf.reshape(t, [-1]) for t in tensors]
 
     def submit(arrays):
         out = _bridge.aligned_empty(total, arrays[0].dtype)
-        h = _ops.allreduce(arrays[0], out, name=name, op=op, prescale_factor=prescale_factor,
-                           postscale_factor=postscale_factor, process_set=process_set)
+        h = _ops.allreduce(arrays[0] if len(arrays) == 1 else _ops.Pieces(arrays), out, name=name, op=op,
+                           prescale_factor=prescale_factor, postscale_factor=postscale_factor,
+                           process_set=process_set)
 
         def finish():
             h.wait()
             return [_bridge.as_tf_tensor(out)]
         return finish
 
-    flat = run_collective(submit, [flat_in], [dtype], "HorovodAllreduce")[0]
+    flat = run_collective(submit, flat_in, [dtype], "HorovodAllreduce")[0]
     flat.set_shape([total])
     outs, offset = [], 0
     for shape, n in zip(shapes, sizes):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["offsets", "split_counts", "copy_into", "place", "MEMCPY_MIN"]
+__all__ = ["offsets", "split_counts", "copy_into", "place", "Pieces", "MEMCPY_MIN", "MERGE_BELOW"]
 
 MEMCPY_MIN = 256 * 1024
 
@@ -46,3 +46,71 @@ def place(dst: np.ndarray, src: np.ndarray) -> None:
     if not src.size or dst.__array_interface__["data"][0] == src.__array_interface__["data"][0]:
         return
     copy_into(dst, src if not np.shares_memory(dst, src) else src.copy())
+
+
+MERGE_BELOW = 64 * 1024
+"""Runs of :class:`Pieces` parts smaller than this are copied together once, so a model's hundreds of small
+tensors cost a few slices per collective, not hundreds (their bytes are a small share of the total)."""
+
+
+class Pieces:
+    """Several contiguous arrays of one dtype read as their 1-D concatenation, without making it.
+
+    An allreduce input that the shared-memory transport copies and reduces straight from the parts: the
+    gradients of a TensorFlow step would otherwise first be concatenated, one more pass over every byte.
+    Consumers that need one array call :meth:`concatenate` (``np.asarray`` does too)."""
+
+    __slots__ = ("parts", "dtype", "size", "nbytes", "shape", "_starts")
+    ndim = 1
+
+    def __init__(self, parts: list[np.ndarray]) -> None:
+        flat = [np.ascontiguousarray(p).reshape(-1) for p in parts]
+        self.dtype = flat[0].dtype if flat else np.dtype(np.float32)
+        merged: list[np.ndarray] = []
+        run: list[np.ndarray] = []
+        for p in flat:
+            if p.dtype != self.dtype:
+                raise ValueError(f"Pieces of one dtype expected, got {self.dtype} and {p.dtype}")
+            if p.nbytes < MERGE_BELOW:
+                run.append(p)
+                continue
+            if run:
+                merged.append(np.concatenate(run) if len(run) > 1 else run[0])
+                run = []
+            merged.append(p)
+        if run:
+            merged.append(np.concatenate(run) if len(run) > 1 else run[0])
+        self.parts = [p for p in merged if p.size]
+        self._starts = offsets([p.size for p in self.parts])
+        self.size = self._starts[-1]
+        self.nbytes = self.size * self.dtype.itemsize
+        self.shape = (self.size,)
+
+    def reshape(self, *shape) -> Pieces:
+        if shape not in ((-1,), (self.size,), ((-1,),), ((self.size,),)):
+            raise ValueError(f"Pieces are 1-D ({self.size} elements); cannot reshape to {shape}")
+        return self
+
+    def concatenate(self, out: np.ndarray | None = None) -> np.ndarray:
+        """The concatenation, into ``out`` when given (1-D, ``size`` elements)."""
+        if out is None:
+            out = np.empty(self.size, self.dtype)
+        if self.parts:
+            np.concatenate(self.parts, out=out)
+        return out
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        arr = self.concatenate()
+        return arr if dtype is None else arr.astype(dtype, copy=False)
+
+    def segments(self, lo: int, hi: int) -> list[tuple[int, np.ndarray]]:
+        """The parts' views covering elements ``[lo, hi)``, each with its offset from ``lo``."""
+        starts = self._starts
+        i = max(0, int(np.searchsorted(starts, lo, side="right")) - 1)
+        found = []
+        while i < len(self.parts) and starts[i] < hi:
+            a, b = max(lo, starts[i]), min(hi, starts[i + 1])
+            if b > a:
+                found.append((a - lo, self.parts[i][a - starts[i]:b - starts[i]]))
+            i += 1
+        return found

@@ -70,6 +70,9 @@ class Communicator(abc.ABC):
     ranks: list[int]
     rank: int
     size: int
+    reads_pieces = False
+    """Whether ``allreduce_scaled`` takes :class:`~horovod.transport.buffers.Pieces` as input (else the
+    runtime concatenates them into the output first)."""
 
     @abc.abstractmethod
     def allreduce(self, inp: np.ndarray, out: np.ndarray, op: ReduceOp) -> None:

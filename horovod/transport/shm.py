@@ -33,7 +33,7 @@ import numpy as np
 
 from horovod.base.config import RuntimeConfig
 from horovod.base.exceptions import WireError
-from horovod.transport.buffers import copy_into, offsets, place
+from horovod.transport.buffers import Pieces, copy_into, offsets, place
 from horovod.transport.communicator import Communicator, PeerFailure, ReduceOp, reduce_into
 from horovod.transport.mesh import Mesh
 from horovod.transport.scaling import scale_inplace
@@ -147,8 +147,13 @@ class ShmCommunicator(Communicator):
     def allreduce(self, inp: np.ndarray, out: np.ndarray, op: ReduceOp) -> None:
         self.allreduce_scaled(inp, out, op, 1.0)
 
-    def allreduce_scaled(self, inp: np.ndarray, out: np.ndarray, op: ReduceOp, scale: float) -> None:
+    reads_pieces = True
+
+    def allreduce_scaled(self, inp: np.ndarray | Pieces, out: np.ndarray, op: ReduceOp, scale: float) -> None:
+        """Also takes :class:`Pieces`: each piece is copied and reduced straight from the parts."""
         if self.size == 1 or inp.nbytes <= self.small_bytes:
+            if type(inp) is Pieces:
+                inp = inp.concatenate(out)
             self.sockets.allreduce_scaled(inp, out, op, scale)
             return
         self._ready()
@@ -163,13 +168,21 @@ class ShmCommunicator(Communicator):
             lo = k * piece + i * region
             return lo, min(lo + region, total)
 
+        if type(inp) is Pieces:
+            segments = inp.segments
+        else:
+            def segments(lo: int, hi: int) -> tuple[tuple[int, np.ndarray], ...]:
+                return ((0, inp[lo:hi]),)
+
         def copy_in(k: int) -> None:
             slot = (base_slot + k) & 1
             for i in range(size):
                 if i != me:
                     lo, hi = part(k, i)
                     if hi > lo:
-                        copy_into(self._region(me, slot, i, dtype, hi - lo), inp[lo:hi])
+                        dst = self._region(me, slot, i, dtype, hi - lo)
+                        for off, src in segments(lo, hi):
+                            copy_into(dst[off:off + src.size], src)
 
         copy_in(0)
         self._signal()
@@ -179,10 +192,14 @@ class ShmCommunicator(Communicator):
             if hi > lo:
                 n = hi - lo
                 dst = self._region(me, slot, me, dtype, n)
-                srcs = [inp[lo:hi] if i == me else self._region(i, slot, me, dtype, n) for i in range(size)]
-                reduce_into(op, srcs[0], srcs[1], dst)
-                for src in srcs[2:]:
-                    reduce_into(op, dst, src, dst)
+                theirs = [None if i == me else self._region(i, slot, me, dtype, n) for i in range(size)]
+                for off, mine in segments(lo, hi):  # one segment unless the input is Pieces
+                    m = mine.size
+                    srcs = [mine if i == me else theirs[i][off:off + m] for i in range(size)]
+                    seg = dst[off:off + m]
+                    reduce_into(op, srcs[0], srcs[1], seg)
+                    for src in srcs[2:]:
+                        reduce_into(op, seg, src, seg)
                 scale_inplace(dst, scale)  # my part only, still in cache; the others copy it scaled
                 copy_into(out[lo:hi], dst)
             if k + 1 < npieces:

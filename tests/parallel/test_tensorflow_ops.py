@@ -82,6 +82,22 @@ def test_allreduce_scaling_and_grouped(mode):
     np.testing.assert_allclose(got[2], sum(ys), rtol=1e-6)
 
 
+@pytest.mark.parametrize("mode", ["function", "graph"])
+@pytest.mark.parametrize("op", [hvd.Average, hvd.Sum, hvd.Max])
+def test_grouped_allreduce_many_tensors_large(mode, op):
+    """Graph mode reduces a group as the pieces of one flat tensor, read straight from TensorFlow's buffers
+    by the shared-memory transport: tiny tensors (merged), tensors across its 1 MiB pieces, 2.6 MB in all."""
+    r, n = hvd.rank(), hvd.size()
+    shapes = [(3,), (300, 500), (7, 2), (1,), (40_000,), (5, 5), (200, 1001), (9,), (64, 64, 3), (2,)]
+    xs = [[data(("many", mode, op, i), j, s, np.float32, low=-9, high=9) for i, s in enumerate(shapes)]
+          for j in range(n)]
+    got = run(mode, lambda *ts: hvd.grouped_allreduce(list(ts), op=op, name=f"many_{mode}_{op}"), *xs[r])
+    for i, s in enumerate(shapes):
+        exp = allreduce_expected([xs[j][i] for j in range(n)], op)
+        assert got[i].shape == s
+        np.testing.assert_allclose(got[i], exp, rtol=1e-6, err_msg=f"tensor {i} {s}")
+
+
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("dtype", GATHER_DTYPES, ids=lambda d: np.dtype(d).name)
 def test_allgather_variable_rows(mode, dtype):

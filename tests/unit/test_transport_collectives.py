@@ -18,6 +18,8 @@ import numpy as np
 import pytest
 from transport_harness import Ctx, run_ranks
 
+from horovod.transport import buffers
+from horovod.transport.buffers import Pieces
 from horovod.transport.communicator import ReduceOp
 
 HAVE_BF16 = importlib.util.find_spec("ml_dtypes") is not None  # in the `test` extra; optional otherwise
@@ -88,6 +90,7 @@ def _check_all(ctx: Ctx) -> list[str]:
         return []
     comm = _make(ctx, backend, ranks)
     me, size = comm.rank, comm.size
+    buffers.MERGE_BELOW = 2  # Pieces keep even their smallest parts apart: many segments per piece
     bad: list[str] = []
 
     def expect(name: str, got: np.ndarray, want: np.ndarray) -> None:
@@ -109,6 +112,12 @@ def _check_all(ctx: Ctx) -> list[str]:
                 out = np.empty(n, dt)
                 comm.allreduce_scaled(ins[me].copy(), out, ReduceOp.SUM, scale)
                 expect(f"allreduce scaled {dname} n={n} x{scale}", out, _scaled(_reduce(ReduceOp.SUM, ins), scale))
+            if comm.reads_pieces and n:  # the input as pieces of uneven sizes (1, 2, 3 ... elements, the rest)
+                cuts = [c for c in np.cumsum(np.arange(1, 20)) if c < n]
+                for op in (ReduceOp.SUM, ReduceOp.MAX):
+                    out = np.empty(n, dt)
+                    comm.allreduce_scaled(Pieces(np.split(ins[me].copy(), cuts)), out, op, 0.5)
+                    expect(f"allreduce of pieces {dname} n={n} {op.name}", out, _scaled(_reduce(op, ins), 0.5))
 
             counts = [(n + 3 * r) % 11 for r in range(size)]
             gins = [_input(r, counts[r], dt, 1) for r in range(size)]

@@ -1,0 +1,51 @@
+"""``Pieces``: several arrays read as their concatenation (the allreduce input of TensorFlow's flat path)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from horovod.transport import buffers
+from horovod.transport.buffers import Pieces
+
+
+def _parts(sizes, dtype=np.float32):
+    rng = np.random.default_rng(len(sizes))
+    return [rng.standard_normal(n).astype(dtype) for n in sizes]
+
+
+@pytest.mark.parametrize("merge_below", [buffers.MERGE_BELOW, 2])
+def test_segments_cover_every_range(monkeypatch, merge_below):
+    monkeypatch.setattr(buffers, "MERGE_BELOW", merge_below)
+    parts = _parts([3, 40_000, 5, 0, 7, 20_000, 1, 2])  # 160 KB and 80 KB parts, tiny ones between
+    pieces = Pieces(parts)
+    whole = np.concatenate(parts)
+    assert (pieces.size, pieces.nbytes, pieces.shape, pieces.dtype) == (whole.size, whole.nbytes, whole.shape,
+                                                                        whole.dtype)
+    np.testing.assert_array_equal(np.asarray(pieces), whole)
+    np.testing.assert_array_equal(pieces.concatenate(np.empty(whole.size, np.float32)), whole)
+    rng = np.random.default_rng(0)
+    for _ in range(500):
+        lo = int(rng.integers(0, whole.size))
+        hi = int(rng.integers(lo, whole.size + 1))
+        got = np.full(hi - lo, np.nan, np.float32)
+        for off, view in pieces.segments(lo, hi):
+            got[off:off + view.size] = view
+        np.testing.assert_array_equal(got, whole[lo:hi])
+
+
+def test_small_parts_are_merged_large_ones_kept_as_views():
+    parts = _parts([10, 20, 30_000, 4, 5])  # 30_000 float32 = 120 KB: at least MERGE_BELOW
+    pieces = Pieces(parts)
+    assert [p.size for p in pieces.parts] == [30, 30_000, 9]
+    assert np.shares_memory(pieces.parts[1], parts[2])  # no copy of a large part
+    assert len(pieces.segments(0, pieces.size)) == 3
+
+
+def test_shapes_and_errors():
+    pieces = Pieces([np.ones((2, 3), np.float32), np.zeros((4,), np.float32)])  # flattened
+    assert pieces.reshape(-1) is pieces and pieces.size == 10
+    with pytest.raises(ValueError, match="1-D"):
+        pieces.reshape(2, 5)
+    with pytest.raises(ValueError, match="one dtype"):
+        Pieces([np.ones(3, np.float32), np.ones(3, np.float64)])

@@ -6,6 +6,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import horovod.torch as hvd  # noqa: E402
+from horovod.common import basics  # noqa: E402
 from horovod.torch import mpi_ops  # noqa: E402
 
 
@@ -33,9 +34,12 @@ def test_direct_results_and_identity(dtype):
 
 def test_probe_left_in_flight_is_a_duplicate_name():
     t = torch.ones(2)
-    pending = mpi_ops._inplace_direct(t, None, "dup", None, 1.0, 1.0, hvd.global_process_set)
-    with pytest.raises(ValueError, match="same name as another tensor"):
-        hvd.allreduce_async_(torch.ones(2), name="dup")
+    # Holding the engine's round lock keeps "dup" in flight: on a busy host the engine thread could otherwise
+    # finish it before the second enqueue (CI saw that once).
+    with basics.engine()._drive:
+        pending = mpi_ops._inplace_direct(t, None, "dup", None, 1.0, 1.0, hvd.global_process_set)
+        with pytest.raises(ValueError, match="same name as another tensor"):
+            hvd.allreduce_async_(torch.ones(2), name="dup")
     assert pending.wait() is t
 
 

@@ -49,6 +49,17 @@ def _run(tmp_path, np_, body, timeout=120.0, **env):
     return code, out, reports
 
 
+def timeline_rows(path) -> dict[str, list[dict]]:
+    """The timeline file's begin/end/tick events per row (tensor) name, in file order (valid JSON as written)."""
+    records = json.loads(path.read_text())
+    pid_name = {r["pid"]: r["args"]["name"] for r in records if r.get("name") == "process_name" and r["pid"]}
+    events = defaultdict(list)
+    for r in records:
+        if r.get("ph") in ("B", "E", "X") and r.get("pid") in pid_name:
+            events[pid_name[r["pid"]]].append(r)
+    return events
+
+
 STEPS = 4
 
 
@@ -74,12 +85,7 @@ def test_timeline_shows_every_tensor_of_every_step(tmp_path):
     code, out, reports = _run(tmp_path, 2, body, HOROVOD_TIMELINE=str(timeline))
     assert code == 0, out
     assert set(reports) == {0, 1}, out
-    records = json.loads(timeline.read_text())
-    pid_name = {r["pid"]: r["args"]["name"] for r in records if r.get("name") == "process_name" and r["pid"]}
-    events = defaultdict(list)
-    for r in records:
-        if r.get("ph") in ("B", "E", "X") and r.get("pid") in pid_name:
-            events[pid_name[r["pid"]]].append(r)
+    events = timeline_rows(timeline)
     names = [f"small.{i}" for i in range(40)] + [f"big.{i}" for i in range(3)] + ["lone"]
     fused_somewhere = False
     for name in names:

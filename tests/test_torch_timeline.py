@@ -7,12 +7,11 @@ the bucket itself.  The averaged gradients are checked against the mean of both 
 
 from __future__ import annotations
 
-import json
 import os
-from collections import Counter, defaultdict
+from collections import Counter
 
 import pytest
-from test_engine_paths import _run
+from test_engine_paths import _run, timeline_rows
 
 pytest.importorskip("torch")
 pytestmark = pytest.mark.skipif(bool(os.environ.get("HOROVOD_RANK")), reason="drives the launcher itself")
@@ -57,12 +56,7 @@ def test_bucketed_gradients_keep_their_timeline_rows(tmp_path):
     assert code == 0 and set(reports) == {0, 1}, out
     for rank in (0, 1):
         assert reports[rank]["worst"] < 1e-6, reports[rank]
-    records = json.loads(timeline.read_text())
-    pid_name = {r["pid"]: r["args"]["name"] for r in records if r.get("name") == "process_name" and r["pid"]}
-    events = defaultdict(list)
-    for r in records:
-        if r.get("ph") in ("B", "E", "X") and r.get("pid") in pid_name:
-            events[pid_name[r["pid"]]].append(r)
+    events = timeline_rows(timeline)
     assert not [row for row in events if "bucket" in row], sorted(events)
     for name in reports[0]["names"]:
         evs = events[f"allreduce.{name}"]

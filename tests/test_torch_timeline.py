@@ -19,6 +19,7 @@ pytestmark = pytest.mark.skipif(bool(os.environ.get("HOROVOD_RANK")), reason="dr
 STEPS = 3
 BODY = f"""
     import copy
+    import time
     import torch
     import horovod.torch as hvt
     hvt.init()
@@ -29,6 +30,8 @@ BODY = f"""
     layers.append(torch.nn.Linear(16, 5000))  # 320 KB of weight: reduced alone, not bucketed
     model = torch.nn.Sequential(*layers)
     ref = copy.deepcopy(model)  # no hooks: each rank's local gradients, to check the average (lr=0)
+    if hvt.rank() == 0:  # rank 1's first bucket reaches the coordinator before rank 0 has built (named) it
+        time.sleep(1.0)
     opt = hvt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0),
                                    named_parameters=model.named_parameters())
     worst = 0.0

@@ -4,7 +4,9 @@ A writer thread appends records; after every record the file ends with ``]`` so 
 moment (the writer seeks back over the ``]`` before appending).  Negotiation phases are recorded by the
 coordinator (which lives on rank 0), execution phases by rank 0's engine.  A tensor that stands for several
 (horovod.torch's gradient buckets) is drawn as each of its members (:meth:`Timeline.show_as`), so the timeline
-still has a row per gradient, as upstream's does.
+still has a row per gradient, as upstream's does.  Which rows a name stands for is known locally only once this
+rank has built it (a bucket is registered before rank 0 submits it), so the negotiation events of a name another
+rank submitted first are held, with their timestamps, until rank 0's own request for it or the negotiation's end.
 """
 
 from __future__ import annotations
@@ -25,12 +27,14 @@ log = logging.getLogger(__name__)
 class Timeline:
     """Thread-safe recorder; ``start(path)``/``stop()`` switch files (dynamic timeline)."""
 
-    def __init__(self, mark_cycles: bool = False) -> None:
+    def __init__(self, mark_cycles: bool = False, rank: int = 0) -> None:
         self.mark_cycles = mark_cycles
+        self.rank = rank  # the rank whose own requests settle a name's rows (the coordinator's)
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._pids: dict[str, int] = {}
         self._open: dict[str, list[str]] = {}  # name -> stack of open activities
         self._members: dict[str, tuple[str, ...]] = {}  # a bucket's engine name -> the names it is drawn as
+        self._held: dict[str, list[tuple]] = {}  # name -> negotiation events recorded before its rows were known
         self._start_us = 0.0
         self._file = None
         self._active = False
@@ -84,19 +88,44 @@ class Timeline:
 
     def negotiate_start(self, name: str, request_type: int) -> None:
         if self._active:
+            activity = "NEGOTIATE_" + OP_DISPLAY.get(request_type, str(request_type))
+            if name not in self._members:  # rows unknown until this rank's own request: hold
+                self._held.setdefault(name, []).append(("begin", activity, self._ts()))
+                return
             for row in self._rows(name):
-                self._begin(row, "NEGOTIATE_" + OP_DISPLAY.get(request_type, str(request_type)))
+                self._begin(row, activity)
 
     def negotiate_rank_ready(self, name: str, rank: int, request_type: int | None = None) -> None:
         if self._active:
-            for row in self._rows(name):
-                if request_type is not None and not self._open.get(row):
-                    # negotiation began before the timeline was switched on: open its bar now
-                    self._begin(row, "NEGOTIATE_" + OP_DISPLAY.get(request_type, str(request_type)))
-                self._emit({"ph": "X", "name": str(rank), "ts": self._ts(), "pid": self._pid(row), "dur": 0})
+            held = self._held.get(name)
+            if held is not None and rank != self.rank:
+                held.append(("tick", rank, self._ts(), request_type))
+                return
+            self._release(name)
+            self._tick(name, rank, self._ts(), request_type)
 
     def negotiate_end(self, name: str) -> None:
+        self._release(name)
         self.end(name)
+
+    def _release(self, name: str) -> None:
+        """Write the held events of ``name`` on the rows it is now known to stand for."""
+        held = self._held.pop(name, None)
+        if held is None or not self._active:
+            return
+        for event in held:
+            if event[0] == "begin":
+                for row in self._rows(name):
+                    self._begin(row, event[1], event[2])
+            else:
+                self._tick(name, *event[1:])
+
+    def _tick(self, name: str, rank: int, ts: int, request_type: int | None) -> None:
+        for row in self._rows(name):
+            if request_type is not None and not self._open.get(row):
+                # negotiation began before the timeline was switched on: open its bar now
+                self._begin(row, "NEGOTIATE_" + OP_DISPLAY.get(request_type, str(request_type)), ts)
+            self._emit({"ph": "X", "name": str(rank), "ts": ts, "pid": self._pid(row), "dur": 0})
 
     def begin(self, name: str, activity: str) -> None:
         if self._active:
@@ -108,9 +137,9 @@ class Timeline:
             for row in self._rows(name):
                 self._end(row, args)
 
-    def _begin(self, row: str, activity: str) -> None:
+    def _begin(self, row: str, activity: str, ts: int | None = None) -> None:
         self._open.setdefault(row, []).append(activity)
-        self._emit({"ph": "B", "name": activity, "ts": self._ts(), "pid": self._pid(row)})
+        self._emit({"ph": "B", "name": activity, "ts": self._ts() if ts is None else ts, "pid": self._pid(row)})
 
     def _end(self, row: str, args: dict | None) -> None:
         stack = self._open.get(row)

@@ -127,6 +127,44 @@ def test_event_records(tmp_path, checked_timeline):
     assert ts == sorted(ts) and ts[0] >= 0
 
 
+def test_alias_registered_after_a_remote_request_still_draws_member_rows(tmp_path, checked_timeline):
+    """Rank 1 submits a torch bucket before rank 0 has built (and registered) it: its tick and the opening of
+    the negotiation are held until rank 0's own request, then drawn on the members' rows with their times."""
+    make, _, _ = checked_timeline
+    t = make()
+    path = tmp_path / "t.json"
+    t.start(str(path))
+    t.negotiate_start("allreduce.bucket", RequestType.ALLREDUCE)
+    t.negotiate_rank_ready("allreduce.bucket", 1, RequestType.ALLREDUCE)
+    t.show_as("allreduce.bucket", ("allreduce.a", "allreduce.b"))
+    t.negotiate_rank_ready("allreduce.bucket", 0, RequestType.ALLREDUCE)
+    t.negotiate_end("allreduce.bucket")
+    t.begin("allreduce.bucket", "ALLREDUCE")
+    t.end("allreduce.bucket")
+    # a name nobody aliases, submitted by rank 1 first, and one whose negotiation ends without rank 0
+    # (a process set rank 0 is not in): both still get their own row, bars balanced
+    for name, ranks in (("allreduce.plain", (1, 0)), ("allreduce.elsewhere", (1, 2))):
+        t.negotiate_start(name, RequestType.ALLREDUCE)
+        for r in ranks:
+            t.negotiate_rank_ready(name, r, RequestType.ALLREDUCE)
+        t.negotiate_end(name)
+    t.stop()
+    records = _load(path)
+    rows = {r["pid"]: r["args"]["name"] for r in records if r.get("name") == "process_name" and r["pid"]}
+    assert sorted(rows.values()) == ["allreduce.a", "allreduce.b", "allreduce.elsewhere", "allreduce.plain"]
+    events = [r for r in records if r["ph"] != "M"]
+    negotiated = [("B", "NEGOTIATE_ALLREDUCE"), ("X", "1"), ("X", "0"), ("E", None)]
+    expected = {"allreduce.a": negotiated + [("B", "ALLREDUCE"), ("E", None)],
+                "allreduce.plain": negotiated,
+                "allreduce.elsewhere": [("B", "NEGOTIATE_ALLREDUCE"), ("X", "1"), ("X", "2"), ("E", None)]}
+    expected["allreduce.b"] = expected["allreduce.a"]
+    for pid, name in rows.items():
+        mine = [e for e in events if e["pid"] == pid]
+        assert [(e["ph"], e.get("name")) for e in mine] == expected[name], (name, mine)
+        ts = [e["ts"] for e in mine]
+        assert ts == sorted(ts), (name, mine)
+
+
 def test_cycle_markers_only_when_enabled(tmp_path, checked_timeline):
     make, _, _ = checked_timeline
     on, off = make(mark_cycles=True), make(mark_cycles=False)

@@ -7,6 +7,7 @@ Inputs come from parallel_util.data (every rank can build every rank's input), e
 
 from __future__ import annotations
 
+import ctypes
 import time
 
 import numpy as np
@@ -96,6 +97,35 @@ def test_grouped_allreduce_many_tensors_large(mode, op):
         exp = allreduce_expected([xs[j][i] for j in range(n)], op)
         assert got[i].shape == s
         np.testing.assert_allclose(got[i], exp, rtol=1e-6, err_msg=f"tensor {i} {s}")
+
+
+def _data_address(t: tf.Tensor) -> int:
+    """Where ``t``'s elements live (the ``data`` field that opens a DLPack ``DLTensor``)."""
+    capsule = tf.experimental.dlpack.to_dlpack(t)
+    get = ctypes.pythonapi.PyCapsule_GetPointer
+    get.restype, get.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
+    return ctypes.c_void_p.from_address(get(capsule, b"dltensor")).value
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.float64], ids=lambda d: np.dtype(d).name)
+def test_grouped_allreduce_results_share_one_buffer(dtype):
+    """In a tf.function the grouped result is one flat buffer; every gradient whose size is a multiple of
+    64 bytes comes out of it as a view, also after odd-sized ones (each starts on a 64-byte boundary), and
+    the values are still the sums."""
+    r, n = hvd.rank(), hvd.size()
+    itemsize = np.dtype(dtype).itemsize
+    shapes = [(3,), (96, 64), (7,), (24,), (256, 32), (5, 5), (64,)]
+    xs = [[data(("views", np.dtype(dtype).name, i), j, s, dtype, low=-3, high=3) for i, s in enumerate(shapes)]
+          for j in range(n)]
+    outs = tf.function(lambda *ts: hvd.grouped_allreduce(list(ts), op=hvd.Sum))(*[tf.constant(x) for x in xs[r]])
+    for i in range(len(shapes)):
+        np.testing.assert_allclose(outs[i].numpy(), sum(x[i] for x in xs), rtol=1e-3 if dtype == np.float16 else 1e-6)
+    viewed = [i for i, s in enumerate(shapes) if int(np.prod(s)) * itemsize % 64 == 0]
+    assert len(viewed) >= 2
+    padded = [-(-int(np.prod(s)) * itemsize // 64) * 64 for s in shapes]
+    first = viewed[0]
+    for i in viewed[1:]:
+        assert _data_address(outs[i]) - _data_address(outs[first]) == sum(padded[first:i]), (i, shapes[i])
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -125,6 +125,7 @@ class _Completer:
                 deliver(outs, err)
             except Exception:  # noqa: BLE001 - the queue's owner is gone (function deleted)
                 log.debug("dropping a collective result: its receive queue is gone", exc_info=True)
+            del outs, finish, deliver  # a result (up to a model's gradients) is not held until the next one
 
 
 _completer = _Completer()

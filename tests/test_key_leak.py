@@ -288,8 +288,7 @@ def test_job_over_ssh_on_netns_hosts(tmp_path):
     sys.modules[spec.name] = mh
     spec.loader.exec_module(mh)
     env_file = os.path.join(mh.STATE, "hosts.env")
-    if os.geteuid() != 0 or not os.path.exists(env_file) or subprocess.run(
-            ["ip", "netns", "exec", "hvdh2", "true"], capture_output=True).returncode != 0:
+    if os.geteuid() != 0 or not mh.hosts_ready():
         pytest.skip("network-namespace hosts are not up (tests/multihost/conftest.py sets them up as root)")
     values = mh._read_env(env_file)
     ssh = ["-p", values["HVD_NETNS_SSH_PORT"], "-i", values["HVD_NETNS_KEY"]]

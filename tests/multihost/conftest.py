@@ -62,14 +62,27 @@ def _read_env(path: str) -> dict[str, str]:
     return values
 
 
+def hosts_ready() -> bool:
+    """The namespaces exist and every host's sshd is alive (namespaces can outlive their sshds)."""
+    if not os.path.exists(os.path.join(STATE, "hosts.env")) or subprocess.run(
+            ["ip", "netns", "exec", "hvdh2", "true"], capture_output=True).returncode != 0:
+        return False
+    for host in ("hvdh1", "hvdh2", "hvdh3"):
+        try:
+            with open(os.path.join(STATE, f"sshd_{host}.pid")) as f:
+                os.kill(int(f.read().split()[0]), 0)
+        except (OSError, ValueError, IndexError):
+            return False
+    return True
+
+
 @pytest.fixture(scope="session")
 def netns_hosts() -> NetnsHosts:
     if os.geteuid() != 0:
         _skip_or_fail("multi-host tests need root (network namespaces, sshd)")
     env_file = os.path.join(STATE, "hosts.env")
     script = os.path.join(REPO, ".ci", "netns_hosts.sh")
-    if not os.path.exists(env_file) or subprocess.run(["ip", "netns", "exec", "hvdh2", "true"],
-                                                       capture_output=True).returncode != 0:
+    if not hosts_ready():
         proc = subprocess.run(["bash", script, "up"], capture_output=True, text=True, timeout=300)
         if proc.returncode != 0:
             _skip_or_fail(f"could not set up network-namespace hosts: {proc.stderr.strip()[-500:]}")

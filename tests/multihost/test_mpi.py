@@ -150,7 +150,9 @@ def test_mpi_start_up_unpickles_nothing(tmp_path):
         "hvd.init(comm=NoPickle(MPI.COMM_WORLD))\n"
         "out = hvd.allreduce(np.full(4, hvd.rank() + 1.0), op=hvd.Sum, name='x')\n"
         "assert out.tolist() == [hvd.size() * (hvd.size() + 1) / 2] * 4, out\n"
-        "print('ok', hvd.rank(), flush=True)\n")
+        "import os\n"
+        "os.write(1, f'ok {hvd.rank()}\\n'.encode())  # one write: two ranks' lines do not interleave\n")
     proc = mpirun(2, [sys.executable, str(script)])
     _ok(proc)
-    assert proc.stdout.count("ok ") == 2
+    assert sorted(line for line in proc.stdout.splitlines() if line.startswith("ok ")) == ["ok 0", "ok 1"], \
+        proc.stdout

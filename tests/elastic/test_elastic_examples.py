@@ -16,12 +16,14 @@ from .conftest import FAST_ENV, REPO
 pytest.importorskip("torch")
 
 
-def _tagged(tag: str) -> list[psutil.Process]:
+def _tagged(tag: str) -> list[tuple[psutil.Process, str]]:
+    """The example's live processes with their command lines (read once: a process may exit meanwhile)."""
     found = []
     for p in psutil.process_iter():
         try:
-            if p.environ().get("TEST_TAG") == tag and "pytorch_elastic.py" in " ".join(p.cmdline()):
-                found.append(p)
+            cmdline = " ".join(p.cmdline())
+            if p.environ().get("TEST_TAG") == tag and "pytorch_elastic.py" in cmdline:
+                found.append((p, cmdline))
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             pass
     return found
@@ -45,7 +47,7 @@ def test_pytorch_example_survives_kill(tmp_path):
         deadline = time.monotonic() + 90
         victim = None
         while time.monotonic() < deadline and victim is None and proc.poll() is None:
-            workers = [p for p in _tagged(tag) if "horovod.runner" not in " ".join(p.cmdline())]
+            workers = [p for p, cmdline in _tagged(tag) if "horovod.runner" not in cmdline]
             if len(workers) == 2 and b"epoch 0 done on 2 workers" in log.read_bytes():
                 victim = max(workers, key=lambda p: p.pid)
             time.sleep(0.05)

@@ -134,7 +134,10 @@ class Executor:
                 src = np.zeros(_numel(shape), dtype)
             else:  # in place: hand the communicator the very same view so it sees ``inp is out``
                 src = flat if e.output is e.tensor else e.tensor.reshape(-1)
-            if type(src) is Pieces and (resp.prescale != 1.0 or not comm.reads_pieces):
+            parts = None  # an output made of the caller's own arrays (Pieces) the communicator cannot write
+            if type(flat) is Pieces and (resp.prescale != 1.0 or not comm.takes_pieces):
+                parts, flat = flat, np.empty(flat.size, dtype)
+            if type(src) is Pieces and (resp.prescale != 1.0 or not comm.takes_pieces):
                 src = src.concatenate(flat)
             if resp.prescale != 1.0:
                 scaled_copy(src, resp.prescale, flat)
@@ -142,6 +145,8 @@ class Executor:
             if act:
                 act(resp.names[0], "GLOO_ALLREDUCE")
             comm.allreduce_scaled(src, flat, op, postscale)
+            if parts is not None:
+                parts.scatter(flat)
             if act:
                 timeline.end(resp.names[0])
             return [out]
@@ -186,7 +191,9 @@ class Executor:
             offset += n
             out = None if e is None else e.output
             if out is not None:
-                if out.ndim == 1:
+                if type(out) is Pieces:
+                    out.scatter(view)
+                elif out.ndim == 1:
                     out[...] = view
                 else:
                     out[...] = view.reshape(out.shape)

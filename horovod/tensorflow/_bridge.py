@@ -38,7 +38,7 @@ import tensorflow as tf
 from horovod.common.exceptions import AbortedError, HorovodInternalError, PreconditionError, ShutdownError
 from horovod.tensorflow import _session_bridge
 
-__all__ = ["run_collective", "to_tf_error", "aligned_empty", "as_tf_tensor", "direct_output_ok"]
+__all__ = ["run_collective", "to_tf_error", "writable_inputs_ok"]
 
 log = logging.getLogger(__name__)
 
@@ -130,41 +130,34 @@ class _Completer:
 
 _completer = _Completer()
 _DIRECT_DTYPES = (tf.float16, tf.float32, tf.float64, tf.int8, tf.uint8, tf.int16, tf.int32, tf.int64)
-_direct_ok: bool | None = None
+_owned_ok: bool | None = None
 
 
-def aligned_empty(n: int, dtype: np.dtype) -> np.ndarray:
-    """An uninitialised 1-D numpy array whose data is 64-byte aligned (what TensorFlow's kernels expect)."""
-    itemsize = np.dtype(dtype).itemsize
-    raw = np.empty(n * itemsize + 64, np.uint8)
-    offset = (-raw.ctypes.data) % 64
-    return raw[offset:offset + n * itemsize].view(dtype)
+def writable_inputs_ok() -> bool:
+    """Whether a ``numpy_function`` sees its inputs as writable views of TensorFlow's buffers (checked once).
 
+    :func:`run_collective`'s ``owned`` outputs rely on it: the engine writes results into the numpy views of
+    tensors TensorFlow allocated (``Empty``), which the graph then uses as the results.  Where TensorFlow
+    copied the inputs instead, allreduces take the general path (results copied into new tensors)."""
+    global _owned_ok
+    if _owned_ok is None:
+        def fill(buf):
+            buf[...] = 3.0
+            return np.int64(0)
 
-def as_tf_tensor(array: np.ndarray):
-    """A CPU tensor over ``array``'s memory (DLPack, no copy); a copy where DLPack is unavailable.
-
-    ``tf.convert_to_tensor`` always copies a numpy array (~10 ms for a 20 MB gradient buffer on a busy
-    core); DLPack hands TensorFlow the buffer itself and keeps ``array`` alive as long as the tensor."""
-    if direct_output_ok():
-        return tf.experimental.dlpack.from_dlpack(array.__dlpack__())
-    return tf.convert_to_tensor(array)
-
-
-def direct_output_ok() -> bool:
-    """Whether numpy arrays can be handed to TensorFlow through DLPack (checked once, falls back to copies)."""
-    global _direct_ok
-    if _direct_ok is None:
+        @tf.function(autograph=False)
+        def probe():
+            buf = tf.raw_ops.Empty(shape=[16], dtype=tf.float32)
+            token = tf.numpy_function(fill, [buf], tf.int64, stateful=True)
+            return tf.reduce_sum(_after(token, [buf])[0])
         try:
-            view = aligned_empty(16, np.float32)
-            t = tf.experimental.dlpack.from_dlpack(view.__dlpack__())
-            view[:] = 3.0
-            _direct_ok = float(tf.reduce_sum(t)) == 48.0
+            with tf.init_scope():  # asked while a function is traced: run the probe eagerly
+                _owned_ok = float(probe()) == 48.0
         except Exception:  # noqa: BLE001 - fall back to copying results
-            _direct_ok = False
-        if not _direct_ok:
-            log.info("horovod.tensorflow: results are copied into TensorFlow tensors (no DLPack import)")
-    return _direct_ok
+            _owned_ok = False
+        if not _owned_ok:
+            log.info("horovod.tensorflow: results are copied into TensorFlow tensors (numpy_function copies)")
+    return _owned_ok
 
 
 def _queue_path() -> bool:
@@ -174,10 +167,17 @@ def _queue_path() -> bool:
 
 @_plain
 def run_collective(submit: Submit, inputs: Sequence[tf.Tensor], out_dtypes: Sequence[tf.DType],
-                   name: str = "Horovod") -> list[tf.Tensor]:
-    """Run ``submit`` (numpy inputs → finish() → numpy outputs) as TF ops; returns the output tensors."""
+                   name: str = "Horovod", owned: Sequence[tf.Tensor] = ()) -> list[tf.Tensor]:
+    """Run ``submit`` (numpy inputs → finish() → numpy outputs) as TF ops; returns the output tensors.
+
+    ``owned`` (inside ``tf.function`` only, see :func:`writable_inputs_ok`): tensors TensorFlow allocated for
+    results that ``submit`` writes itself; they follow the inputs in its arguments as writable views, and
+    come back after the outputs once the collective is done.  ``finish`` must drop its views before it
+    returns, so that TensorFlow's next op may update the tensors in place."""
     np_dtypes = [d.as_numpy_dtype for d in out_dtypes]
     submit = _plain(submit)
+    if owned and not _queue_path():
+        raise ValueError("run_collective: owned outputs exist only inside tf.function")
     if tf.executing_eagerly():
         try:
             outs = submit([_as_numpy(t) for t in inputs])()
@@ -186,7 +186,7 @@ def run_collective(submit: Submit, inputs: Sequence[tf.Tensor], out_dtypes: Sequ
         return [tf.convert_to_tensor(np.asarray(o, dtype=d)) for o, d in zip(outs, np_dtypes)]
 
     if _queue_path():
-        return _receive_in_function(submit, inputs, out_dtypes, np_dtypes, name)
+        return _receive_in_function(submit, inputs, out_dtypes, np_dtypes, name, owned)
     return _receive_in_session(submit, inputs, out_dtypes, np_dtypes, name)
 
 
@@ -196,7 +196,8 @@ def _check(err):
     return np.int64(0)
 
 
-def _receive_in_function(submit: Submit, inputs, out_dtypes, np_dtypes, name: str) -> list[tf.Tensor]:
+def _receive_in_function(submit: Submit, inputs, out_dtypes, np_dtypes, name: str,
+                         owned: Sequence[tf.Tensor] = ()) -> list[tf.Tensor]:
     """Inside ``tf.function``: an eager queue the completer fills directly."""
     with tf.init_scope():
         tf_queue = tf.queue.FIFOQueue(1 << 16, [*out_dtypes, tf.int64])
@@ -207,21 +208,30 @@ def _receive_in_function(submit: Submit, inputs, out_dtypes, np_dtypes, name: st
         return np.int64(0)
 
     with tf.name_scope(name):
-        token = tf.numpy_function(_wrap(do_submit), list(inputs), tf.int64, stateful=True, name="submit")
+        token = tf.numpy_function(_wrap(do_submit), [*inputs, *owned], tf.int64, stateful=True, name="submit")
         with tf.control_dependencies([token]):
             vals = tf_queue.dequeue(name="receive")
+        if not isinstance(vals, (list, tuple)):  # a queue of one component (the error id) dequeues a tensor
+            vals = [vals]
         # Not stateful: tf.function chains stateful ops in program order, and a check (which waits for its
         # dequeue) before the next submit would serialise independent collectives in creation order.
         ok = tf.numpy_function(_wrap(_check), [vals[-1]], tf.int64, stateful=False, name="check")
-        return _after(ok, vals[:-1])
+        return _after(ok, [*vals[:-1], *owned])
 
 
 def _after(ok: tf.Tensor, values: Sequence[tf.Tensor]) -> list[tf.Tensor]:
-    """``values`` made data-dependent on ``ok`` (always 0) at no cost: a reshape to their own shape."""
+    """``values`` made to follow ``ok`` (always 0) at no cost: a reshape to their own shape.
+
+    Through data, so that Grappler keeps the stateless ``ok`` (it prunes one only a control edge uses), and
+    through a control edge, so that it keeps the reshape: Grappler folds a chain of reshapes into the last
+    one (``Reshape(Reshape(x, s1), s2) -> Reshape(x, s2)``) unless the inner one anchors a control input, and
+    an ``owned`` result's data exists only once ``ok`` has run."""
     zero = tf.cast(ok, tf.int32)
     outs = []
     for v in values:
-        out = tf.reshape(v, tf.shape(v) + zero)
+        shape = tf.shape(v) + zero
+        with tf.control_dependencies([ok]):  # (an op whose inputs were made in this block gets no edge)
+            out = tf.reshape(v, shape)
         out.set_shape(v.shape)
         outs.append(out)
     return outs

@@ -100,52 +100,70 @@ def _direct_path(tensors: list[tf.Tensor]) -> bool:
         return False
     if not all(t.shape.is_fully_defined() for t in tensors) or sum(t.shape.num_elements() for t in tensors) == 0:
         return False
-    return True
+    return _bridge.writable_inputs_ok()
+
+
+_OWN_BUFFER_BYTES = 64 * 1024
+"""Results at least this large get a buffer of their own; smaller ones share one (see _flat_allreduce)."""
 
 
 def _flat_allreduce(tensors: list[tf.Tensor], *, op: int, prescale_factor: float, postscale_factor: float,
                     name: str | None, process_set: ProcessSet) -> list[tf.Tensor]:
-    """Graph-mode (grouped) allreduce as *one* flat engine tensor reduced straight into TensorFlow memory.
+    """Graph-mode (grouped) allreduce as *one* flat engine tensor, read from and written into TensorFlow memory.
 
     The inputs reach the engine as :class:`~horovod.common.ops.Pieces` of one flat tensor (numpy views of
     TensorFlow's buffers; the shared-memory transport copies and reduces straight from them, so nothing
-    concatenates them first); the engine reduces them (single-tensor path: no fusion buffer) into a 64-byte
-    aligned numpy array, which becomes a TF tensor through DLPack without a copy
-    (:func:`_bridge.as_tf_tensor`) once the engine is done, and goes through the receive queue as is; the
-    per-tensor results are dim-0 slices of it and reshapes.  Each tensor starts on a 64-byte boundary
-    (:func:`_aligned_layout`), so TensorFlow shares the buffer for the slices instead of copying them.
-    Every rank builds the same graph, so the single name negotiates as the group did."""
+    concatenates them first).  The results are written straight into tensors TensorFlow allocated (``Empty``,
+    handed to the submit op as writable views, :func:`_bridge.run_collective`'s ``owned``): every result of
+    64 KiB or more gets its own, so the optimizer's ``lr * grad`` may update it in place as it does locally
+    (TensorFlow never reuses a buffer it did not allocate alone, e.g. one imported through DLPack, and a
+    shared one is never alone); the small ones are 64-byte aligned slices of one more, views rather than
+    copies (:func:`_aligned_layout`).  Every rank builds the same graph, so the single name negotiates as the
+    group did."""
     dtype = tensors[0].dtype
     shapes = [t.shape for t in tensors]
     sizes = [s.num_elements() for s in shapes]
-    starts, total = _aligned_layout(sizes, dtype.size)
-    flat_in = [tf.reshape(t, [-1]) for t in tensors]
+    own = [i for i, n in enumerate(sizes) if n * dtype.size >= _OWN_BUFFER_BYTES]
+    shared = [i for i, n in enumerate(sizes) if n * dtype.size < _OWN_BUFFER_BYTES]
+    starts, shared_total = _aligned_layout([sizes[i] for i in shared], dtype.size)
+    # The engine's flat tensor: the shared results' buffer first, then each own result (every rank alike).
+    flat_in = [tf.reshape(tensors[i], [-1]) for i in shared + own]
+    owned = [tf.raw_ops.Empty(shape=[shared_total], dtype=dtype)] if shared else []
+    owned += [tf.raw_ops.Empty(shape=[sizes[i]], dtype=dtype) for i in own]
+    n_shared, n_in = len(shared), len(flat_in)
 
     def submit(arrays):
-        out = _bridge.aligned_empty(total, arrays[0].dtype)
-        if len(arrays) == 1:
-            inp = arrays[0]
-        else:  # each part at its aligned start; the gaps are zeros (reduced like any other element)
-            parts, at = [], 0
-            for start, a in zip(starts, arrays):
-                if start > at:
-                    parts.append(np.zeros(start - at, a.dtype))
-                parts.append(a)
-                at = start + a.size
-            if total > at:
-                parts.append(np.zeros(total - at, arrays[0].dtype))
-            inp = _ops.Pieces(parts)
-        h = _ops.allreduce(inp, out, name=name, op=op, prescale_factor=prescale_factor,
-                           postscale_factor=postscale_factor, process_set=process_set)
+        parts, at = [], 0
+        for start, a in zip(starts, arrays[:n_shared]):  # each at its aligned start; the gaps reduce zeros
+            if start > at:
+                parts.append(np.zeros(start - at, a.dtype))
+            parts.append(a)
+            at = start + a.size
+        if n_shared and shared_total > at:
+            parts.append(np.zeros(shared_total - at, arrays[0].dtype))
+        parts += arrays[n_shared:n_in]
+        outs = arrays[n_in:]
+        pending = [_ops.allreduce(parts[0] if len(parts) == 1 else _ops.Pieces(parts),
+                                  outs[0] if len(outs) == 1 else _ops.Pieces(outs, merge=False),
+                                  name=name, op=op, prescale_factor=prescale_factor,
+                                  postscale_factor=postscale_factor, process_set=process_set)]
+        del parts, outs, arrays[:]  # from here on only the handle holds the views
 
         def finish():
-            h.wait()
-            return [_bridge.as_tf_tensor(out)]
+            pending.pop().wait()  # and drops it: TensorFlow may now update the results in place
+            return []
         return finish
 
-    flat = run_collective(submit, flat_in, [dtype], "HorovodAllreduce")[0]
-    flat.set_shape([total])
-    return [tf.reshape(flat[start:start + n], shape) for start, n, shape in zip(starts, sizes, shapes)]
+    results = run_collective(submit, flat_in, [], "HorovodAllreduce", owned=owned)
+    out: list = [None] * len(tensors)
+    if shared:
+        flat = results[0]
+        flat.set_shape([shared_total])
+        for i, start in zip(shared, starts):
+            out[i] = tf.reshape(flat[start:start + sizes[i]], shapes[i])
+    for i, r in zip(own, results[1:] if shared else results):
+        out[i] = tf.reshape(r, shapes[i])
+    return out
 
 
 _SLICE_ALIGN_BYTES = 64  # TensorFlow shares a dim-0 slice's buffer only when both its ends are this aligned

@@ -54,16 +54,20 @@ tensors cost a few slices per collective, not hundreds (their bytes are a small 
 
 
 class Pieces:
-    """Several contiguous arrays of one dtype read as their 1-D concatenation, without making it.
+    """Several contiguous arrays of one dtype read (or written) as their 1-D concatenation, without making it.
 
-    An allreduce input that the shared-memory transport copies and reduces straight from the parts: the
-    gradients of a TensorFlow step would otherwise first be concatenated, one more pass over every byte.
-    Consumers that need one array call :meth:`concatenate` (``np.asarray`` does too)."""
+    As an allreduce input the shared-memory transport copies and reduces straight from the parts: the
+    gradients of a TensorFlow step would otherwise first be concatenated, one more pass over every byte.  As an
+    output (``merge=False``: every part is the caller's own memory) it writes the results straight into the
+    parts, e.g. buffers TensorFlow owns, which its optimizer can then update in place.  Consumers that need
+    one array call :meth:`concatenate` (``np.asarray`` does too) and, for an output, :meth:`scatter`."""
 
     __slots__ = ("parts", "dtype", "size", "nbytes", "shape", "_starts")
     ndim = 1
 
-    def __init__(self, parts: list[np.ndarray]) -> None:
+    def __init__(self, parts: list[np.ndarray], merge: bool = True) -> None:
+        if not merge and not all(p.flags.c_contiguous for p in parts):
+            raise ValueError("output Pieces must be contiguous arrays (results are written into them)")
         flat = [np.ascontiguousarray(p).reshape(-1) for p in parts]
         self.dtype = flat[0].dtype if flat else np.dtype(np.float32)
         merged: list[np.ndarray] = []
@@ -71,6 +75,9 @@ class Pieces:
         for p in flat:
             if p.dtype != self.dtype:
                 raise ValueError(f"Pieces of one dtype expected, got {self.dtype} and {p.dtype}")
+            if not merge:
+                merged.append(p)
+                continue
             if p.nbytes < MERGE_BELOW:
                 run.append(p)
                 continue
@@ -98,6 +105,11 @@ class Pieces:
         if self.parts:
             np.concatenate(self.parts, out=out)
         return out
+
+    def scatter(self, src: np.ndarray) -> None:
+        """Copy the 1-D ``src`` (``size`` elements) into the parts, in order."""
+        for p, lo, hi in zip(self.parts, self._starts, self._starts[1:]):
+            copy_into(p, src[lo:hi])
 
     def __array__(self, dtype=None, copy=None) -> np.ndarray:
         arr = self.concatenate()

@@ -70,9 +70,9 @@ class Communicator(abc.ABC):
     ranks: list[int]
     rank: int
     size: int
-    reads_pieces = False
-    """Whether ``allreduce_scaled`` takes :class:`~horovod.transport.buffers.Pieces` as input (else the
-    runtime concatenates them into the output first)."""
+    takes_pieces = False
+    """Whether ``allreduce_scaled`` takes :class:`~horovod.transport.buffers.Pieces` as input and as output
+    (else the runtime concatenates an input into a flat buffer first and scatters a result from one)."""
 
     @abc.abstractmethod
     def allreduce(self, inp: np.ndarray, out: np.ndarray, op: ReduceOp) -> None:

@@ -160,11 +160,18 @@ class ShmCommunicator(Communicator):
     def allreduce(self, inp: np.ndarray, out: np.ndarray, op: ReduceOp) -> None:
         self.allreduce_scaled(inp, out, op, 1.0)
 
-    reads_pieces = True
+    takes_pieces = True
 
-    def allreduce_scaled(self, inp: np.ndarray | Pieces, out: np.ndarray, op: ReduceOp, scale: float) -> None:
-        """Also takes :class:`Pieces`: each piece is copied and reduced straight from the parts."""
+    def allreduce_scaled(self, inp: np.ndarray | Pieces, out: np.ndarray | Pieces, op: ReduceOp,
+                         scale: float) -> None:
+        """Also takes :class:`Pieces`: each piece is copied and reduced straight from the input's parts and
+        its results copied straight into the output's."""
         if self.size == 1 or inp.nbytes <= self.small_bytes:
+            if type(out) is Pieces:
+                flat = np.empty(out.size, out.dtype)
+                self.allreduce_scaled(inp, flat, op, scale)
+                out.scatter(flat)
+                return
             if type(inp) is Pieces:
                 inp = inp.concatenate(out)
             self.sockets.allreduce_scaled(inp, out, op, scale)
@@ -186,6 +193,13 @@ class ShmCommunicator(Communicator):
         else:
             def segments(lo: int, hi: int) -> tuple[tuple[int, np.ndarray], ...]:
                 return ((0, inp[lo:hi]),)
+        if type(out) is Pieces:
+            def put(lo: int, src: np.ndarray) -> None:
+                for off, dst in out.segments(lo, lo + src.size):
+                    copy_into(dst, src[off:off + dst.size])
+        else:
+            def put(lo: int, src: np.ndarray) -> None:
+                copy_into(out[lo:lo + src.size], src)
 
         def copy_in(k: int) -> None:
             slot = (base_slot + k) & 1
@@ -218,7 +232,7 @@ class ShmCommunicator(Communicator):
                     for src in srcs[2:]:
                         reduce_into(op, seg, src, seg)
                 scale_inplace(dst, scale)  # my part only, still in cache; the others copy it scaled
-                copy_into(out[lo:hi], dst)
+                put(lo, dst)
             if k + 1 < npieces:
                 copy_in(k + 1)
             self._signal()
@@ -226,11 +240,11 @@ class ShmCommunicator(Communicator):
                 if i != me:
                     plo, phi = part(k, i)
                     if phi > plo:
-                        copy_into(out[plo:phi], self._region(i, slot, i, dtype, phi - plo))
+                        put(plo, self._region(i, slot, i, dtype, phi - plo))
         self._parity = (base_slot + npieces) & 1
 
-    def _allreduce_one_round(self, segments: Any, total: int, dtype: np.dtype, out: np.ndarray, op: ReduceOp,
-                             scale: float) -> None:
+    def _allreduce_one_round(self, segments: Any, total: int, dtype: np.dtype, out: np.ndarray | Pieces,
+                             op: ReduceOp, scale: float) -> None:
         """A buffer that fits one piece: publish it whole, one token round, every member reduces all of it.
 
         Saves the second token round (a wake-up per member, most of the cost below a few hundred KiB: 80 KiB
@@ -244,10 +258,12 @@ class ShmCommunicator(Communicator):
             copy_into(mine[off:off + src.size], src)
         self._signal()
         srcs = [self._region(i, slot, 0, dtype, total) for i in range(self.size)]
-        reduce_into(op, srcs[0], srcs[1], out)
-        for src in srcs[2:]:
-            reduce_into(op, out, src, out)
-        scale_inplace(out, scale)
+        for off, dst in (out.segments(0, total) if type(out) is Pieces else ((0, out),)):
+            n = dst.size
+            reduce_into(op, srcs[0][off:off + n], srcs[1][off:off + n], dst)
+            for src in srcs[2:]:
+                reduce_into(op, dst, src[off:off + n], dst)
+            scale_inplace(dst, scale)
         self._parity = (slot + 1) & 1
 
     # -- publish/consume rounds (allgatherv, broadcast) ----------------------------------------------

@@ -374,3 +374,30 @@ def test_join_every_rank_at_once():
     result = hvd.join()
     assert 0 <= result < size
     assert hvd.allgather_object(result) == [result] * size
+
+
+@pytest.mark.parametrize("sizes", [(5, 3, 2), (1000, 70_000, 3, 600_000), (17, 300_000)], ids=["inline", "big", "two"])
+@pytest.mark.parametrize("prescale", [1.0, 3.0])
+def test_allreduce_between_pieces(sizes, prescale):
+    """An input of several arrays read as one (``Pieces``, TensorFlow's gradients) reduced into an output of
+    several arrays written in place (``Pieces(merge=False)``, TensorFlow-owned results), split at other
+    places than the input; alone and fused with an ordinary tensor (the fusion buffer is scattered into the
+    output's arrays).  Small totals are reduced by the coordinator, big ones by the data plane (shared
+    memory writes the arrays itself, TCP through a flat buffer: tests/test_parallel.py runs both)."""
+    from horovod.common import ops as _ops
+    rank, size = rs()
+    n = sum(sizes)
+    xs = [data(("pieces", n, prescale), r, (n,), np.float32) for r in range(size)]
+    expected = allreduce_expected(xs, hvd.Average) * np.float32(prescale)
+    cuts = np.cumsum(sizes)[:-1]
+    out_cuts = sorted({max(1, c // 2) for c in cuts} | {n - 1})
+    other = [data(("pieces-other", n), r, (300_000,), np.float32) for r in range(size)]
+    for fused in (False, True):
+        outs = [np.full(len(p), np.nan, np.float32) for p in np.split(np.empty(n), out_cuts)]
+        h = _ops.allreduce(_ops.Pieces(np.split(xs[rank], cuts)), _ops.Pieces(outs, merge=False),
+                           name=f"pieces.{n}.{prescale}.{fused}", op=hvd.Average, prescale_factor=prescale)
+        if fused:
+            assert_same(hvd.allreduce(other[rank], op=hvd.Sum, name=f"pieces.other.{n}.{prescale}"),
+                        allreduce_expected(other, hvd.Sum))
+        h.wait()
+        np.testing.assert_allclose(np.concatenate(outs), expected, rtol=1e-5, err_msg=f"fused={fused}")

@@ -108,13 +108,13 @@ def _data_address(t: tf.Tensor) -> int:
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16, np.float64], ids=lambda d: np.dtype(d).name)
-def test_grouped_allreduce_results_share_one_buffer(dtype):
-    """In a tf.function the grouped result is one flat buffer; every gradient whose size is a multiple of
-    64 bytes comes out of it as a view, also after odd-sized ones (each starts on a 64-byte boundary), and
-    the values are still the sums."""
+def test_grouped_allreduce_small_results_share_one_buffer(dtype):
+    """In a tf.function the results under 64 KiB are slices of one flat buffer; every one whose size is a
+    multiple of 64 bytes is a view, also after odd-sized ones (each starts on a 64-byte boundary), and the
+    values are still the sums."""
     r, n = hvd.rank(), hvd.size()
     itemsize = np.dtype(dtype).itemsize
-    shapes = [(3,), (96, 64), (7,), (24,), (256, 32), (5, 5), (64,)]
+    shapes = [(3,), (96, 64), (7,), (24,), (128, 32), (5, 5), (64,)]
     xs = [[data(("views", np.dtype(dtype).name, i), j, s, dtype, low=-3, high=3) for i, s in enumerate(shapes)]
           for j in range(n)]
     outs = tf.function(lambda *ts: hvd.grouped_allreduce(list(ts), op=hvd.Sum))(*[tf.constant(x) for x in xs[r]])
@@ -126,6 +126,38 @@ def test_grouped_allreduce_results_share_one_buffer(dtype):
     first = viewed[0]
     for i in viewed[1:]:
         assert _data_address(outs[i]) - _data_address(outs[first]) == sum(padded[first:i]), (i, shapes[i])
+
+
+def test_grouped_allreduce_large_results_are_updated_in_place(monkeypatch):
+    """Results of 64 KiB or more are written straight into buffers TensorFlow allocated for them alone, so the
+    next op (here ``* 0.5``, as an optimizer's ``lr * grad``) writes its output into the same memory instead
+    of a new buffer.  Fresh inputs on every call: a result read before the engine wrote it (Grappler folding
+    away the dependency on the collective, which it did for a reshape chain) would show last call's sums."""
+    from horovod.tensorflow import mpi_ops
+    r, n = hvd.rank(), hvd.size()
+    written: list[int] = []
+    submit = mpi_ops._ops.allreduce
+
+    def recording(tensor, output=None, **kwargs):
+        parts = output.parts if isinstance(output, mpi_ops._ops.Pieces) else [output]
+        written[:] = [p.ctypes.data for p in parts]
+        return submit(tensor, output, **kwargs)
+    monkeypatch.setattr(mpi_ops._ops, "allreduce", recording)
+    shapes = [(300, 100), (17,), (128, 130), (), (70_000,)]  # own, shared, own, shared, own
+
+    @tf.function
+    def step(*ts):
+        gs = hvd.grouped_allreduce(list(ts), op=hvd.Sum, name="in_place")
+        return [tf.reshape(g, [-1]) * 0.5 for g in gs]  # a reshape of our result: no reshape chain folding
+    for call in range(4):
+        xs = [[data(("own", call, i), j, s, np.float32, low=-5, high=5) for i, s in enumerate(shapes)]
+              for j in range(n)]
+        outs = step(*[tf.constant(x) for x in xs[r]])
+        for i, s in enumerate(shapes):
+            exp = 0.5 * sum(x[i] for x in xs).reshape(-1)
+            np.testing.assert_allclose(outs[i].numpy(), exp, rtol=1e-6, err_msg=f"call {call} tensor {i} {s}")
+        own = {_data_address(outs[i]) for i in (0, 2, 4)}
+        assert own <= set(written), "the update allocated a new buffer instead of reusing the result's"
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -49,3 +49,19 @@ def test_shapes_and_errors():
         pieces.reshape(2, 5)
     with pytest.raises(ValueError, match="one dtype"):
         Pieces([np.ones(3, np.float32), np.ones(3, np.float64)])
+
+
+def test_output_pieces_keep_every_part_and_scatter_into_them():
+    """As an output (merge=False) even tiny parts stay the caller's own arrays: results are written into them."""
+    parts = [np.zeros(n, np.float32) for n in (3, 1, 40_000, 0, 2)]
+    pieces = Pieces(parts, merge=False)
+    assert [p.size for p in pieces.parts] == [3, 1, 40_000, 2]
+    assert all(np.shares_memory(p, q) for p, q in zip(pieces.parts, [parts[0], parts[1], parts[2], parts[4]]))
+    src = np.arange(pieces.size, dtype=np.float32)
+    pieces.scatter(src)
+    np.testing.assert_array_equal(np.concatenate(parts), src)
+    for off, view in pieces.segments(2, 10):  # a write through segments lands in the caller's arrays too
+        view[:] = -1 - (off + np.arange(view.size))
+    np.testing.assert_array_equal(np.concatenate(parts)[2:10], -1 - np.arange(8, dtype=np.float32))
+    with pytest.raises(ValueError, match="contiguous"):
+        Pieces([np.zeros((4, 4), np.float32)[:, 1]], merge=False)

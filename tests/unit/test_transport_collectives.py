@@ -112,12 +112,17 @@ def _check_all(ctx: Ctx) -> list[str]:
                 out = np.empty(n, dt)
                 comm.allreduce_scaled(ins[me].copy(), out, ReduceOp.SUM, scale)
                 expect(f"allreduce scaled {dname} n={n} x{scale}", out, _scaled(_reduce(ReduceOp.SUM, ins), scale))
-            if comm.reads_pieces and n:  # the input as pieces of uneven sizes (1, 2, 3 ... elements, the rest)
+            if comm.takes_pieces and n:  # the input as pieces of uneven sizes (1, 2, 3 ... elements, the rest)
                 cuts = [c for c in np.cumsum(np.arange(1, 20)) if c < n]
                 for op in (ReduceOp.SUM, ReduceOp.MAX):
                     out = np.empty(n, dt)
                     comm.allreduce_scaled(Pieces(np.split(ins[me].copy(), cuts)), out, op, 0.5)
                     expect(f"allreduce of pieces {dname} n={n} {op.name}", out, _scaled(_reduce(op, ins), 0.5))
+                    # ... and into an output of separate arrays (cut elsewhere than the input)
+                    outs = [np.full(len(p), 7, dt) for p in np.split(out, cuts[1::2])]
+                    comm.allreduce_scaled(Pieces(np.split(ins[me].copy(), cuts)), Pieces(outs, merge=False), op, 0.5)
+                    expect(f"allreduce into pieces {dname} n={n} {op.name}", np.concatenate(outs),
+                           _scaled(_reduce(op, ins), 0.5))
 
             counts = [(n + 3 * r) % 11 for r in range(size)]
             gins = [_input(r, counts[r], dt, 1) for r in range(size)]

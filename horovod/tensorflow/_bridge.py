@@ -176,7 +176,7 @@ def run_collective(submit: Submit, inputs: Sequence[tf.Tensor], out_dtypes: Sequ
     returns, so that TensorFlow's next op may update the tensors in place."""
     np_dtypes = [d.as_numpy_dtype for d in out_dtypes]
     submit = _plain(submit)
-    if owned and not _queue_path():
+    if owned and (tf.executing_eagerly() or not _queue_path()):
         raise ValueError("run_collective: owned outputs exist only inside tf.function")
     if tf.executing_eagerly():
         try:

@@ -204,7 +204,7 @@ def _receive_in_function(submit: Submit, inputs, out_dtypes, np_dtypes, name: st
 
     def do_submit(*arrays):
         finish = submit(list(arrays))
-        _completer.put(finish, lambda outs, err: tf_queue.enqueue([*outs, np.int64(err)]), np_dtypes)
+        _completer.put(finish, lambda outs, err: _enqueue(tf_queue, outs, err), np_dtypes)
         return np.int64(0)
 
     with tf.name_scope(name):
@@ -217,6 +217,21 @@ def _receive_in_function(submit: Submit, inputs, out_dtypes, np_dtypes, name: st
         # dequeue) before the next submit would serialise independent collectives in creation order.
         ok = tf.numpy_function(_wrap(_check), [vals[-1]], tf.int64, stateful=False, name="check")
         return _after(ok, [*vals[:-1], *owned])
+
+
+_no_error: list = []  # the error id "none" as an eager tensor, made once by the completer thread
+
+
+def _enqueue(tf_queue, outs: list, err: int) -> None:
+    """The completer's delivery: the raw op with a ready-made "no error" tensor (9 us, against 39 us for
+    ``FIFOQueue.enqueue`` of a numpy scalar)."""
+    if err < 0:
+        if not _no_error:
+            _no_error.append(tf.constant(np.int64(-1)))
+        code = _no_error[0]
+    else:
+        code = tf.constant(np.int64(err))
+    tf.raw_ops.QueueEnqueueV2(handle=tf_queue.queue_ref, components=[*outs, code])
 
 
 def _after(ok: tf.Tensor, values: Sequence[tf.Tensor]) -> list[tf.Tensor]:

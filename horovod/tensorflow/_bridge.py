@@ -20,8 +20,9 @@ Errors: eager raises upstream's ``tf.errors`` types.  In graphs the receive is f
 the wrapped ``Session.run`` gives the error its upstream class back (``FailedPreconditionError`` for a
 mismatch, see :mod:`horovod.tensorflow._session_bridge`); inside ``tf.function`` the class stays
 ``UnknownError`` and the message carries upstream's class name and text (docs/tensorflow.md).  Every output
-depends on its ``check`` through data (a reshape to its own shape), not only a control edge: Grappler prunes
-a stateless op whose only consumers are control edges, which would drop the error and hand out empty results.
+depends on its ``check`` through data that no optimisation can fold away (a slice of all of it, starting at
+the check's zero: :func:`_after`): Grappler prunes a stateless op whose only consumers are control edges, and
+folds chains of reshapes, either of which dropped the error and handed out empty results.
 """
 
 from __future__ import annotations
@@ -235,18 +236,21 @@ def _enqueue(tf_queue, outs: list, err: int) -> None:
 
 
 def _after(ok: tf.Tensor, values: Sequence[tf.Tensor]) -> list[tf.Tensor]:
-    """``values`` made to follow ``ok`` (always 0) at no cost: a reshape to their own shape.
+    """``values`` made to follow ``ok`` (always 0) at no cost: a slice of all of each, starting at ``ok``.
 
-    Through data, so that Grappler keeps the stateless ``ok`` (it prunes one only a control edge uses), and
-    through a control edge, so that it keeps the reshape: Grappler folds a chain of reshapes into the last
-    one (``Reshape(Reshape(x, s1), s2) -> Reshape(x, s2)``) unless the inner one anchors a control input, and
-    an ``owned`` result's data exists only once ``ok`` has run."""
-    zero = tf.cast(ok, tf.int32)
+    The check must stay in the graph and run before the values are read.  A stateless op that only control
+    edges use is pruned by Grappler, and a reshape is no anchor either: Grappler folds a chain of reshapes
+    (``Reshape(Reshape(x, s1), s2) -> Reshape(x, s2)``), so a user's reshape of a result used to drop the
+    check (an error then went unnoticed, and a result written into TensorFlow-owned memory was read before
+    the engine wrote it).  A slice whose start comes from ``ok`` cannot be folded or proven redundant, and
+    TensorFlow hands its input through as the output when it covers all of it (no copy)."""
+    start = tf.reshape(tf.cast(ok, tf.int32), [1])
     outs = []
     for v in values:
-        shape = tf.shape(v) + zero
-        with tf.control_dependencies([ok]):  # (an op whose inputs were made in this block gets no edge)
-            out = tf.reshape(v, shape)
+        if v.shape.rank == 1:
+            out = tf.slice(v, start, [-1])
+        else:
+            out = tf.reshape(tf.slice(tf.reshape(v, [-1]), start, [-1]), tf.shape(v))
         out.set_shape(v.shape)
         outs.append(out)
     return outs

@@ -329,6 +329,17 @@ def test_mismatch_in_graph_mode_keeps_message():
         tf.function(lambda: hvd.allreduce(tf.ones([r + 1]), name="err_shape_fn"))()
 
 
+def test_mismatch_in_graph_mode_surfaces_through_a_reshape():
+    """The check that raises a collective's error must survive Grappler also when the result is reshaped
+    again (it folds ``Reshape(Reshape(x))`` into one): results written into TensorFlow's own buffers (64 KiB
+    and more) and results that came through the receive queue (allgather) alike."""
+    r = hvd.rank()
+    with pytest.raises(tf.errors.OpError, match="Mismatched ALLREDUCE tensor shapes"):
+        tf.function(lambda: tf.reshape(hvd.allreduce(tf.ones([r + 1, 20_000]), name="err_own_fn"), [-1]) * 2)()
+    with pytest.raises(tf.errors.OpError, match="Mismatched"):
+        tf.function(lambda: tf.reshape(hvd.allgather(tf.ones([2, 3 + r]), name="err_gather_fn"), [-1]) * 2)()
+
+
 def test_bad_arguments_are_invalid_argument():
     n = hvd.size()
     with pytest.raises(tf.errors.InvalidArgumentError, match="first dimension of tensor is not an even multiple"):

@@ -123,6 +123,8 @@ def _flat_allreduce(tensors: list[tf.Tensor], *, op: int, prescale_factor: float
     dtype = tensors[0].dtype
     shapes = [t.shape for t in tensors]
     sizes = [s.num_elements() for s in shapes]
+    if name and len(tensors) > 1:  # the timeline keeps a row per tensor, named as the grouped path names them
+        _basics_mod.show_in_timeline_as(name, [f"{name}_{i + 1}of{len(tensors)}" for i in range(len(tensors))])
     own = [i for i, n in enumerate(sizes) if n * dtype.size >= _OWN_BUFFER_BYTES]
     shared = [i for i, n in enumerate(sizes) if n * dtype.size < _OWN_BUFFER_BYTES]
     starts, shared_total = _aligned_layout([sizes[i] for i in shared], dtype.size)

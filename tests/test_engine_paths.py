@@ -60,6 +60,16 @@ def timeline_rows(path) -> dict[str, list[dict]]:
     return events
 
 
+def assert_allreduce_row(events: dict[str, list[dict]], row: str, steps: int, ranks: int = 2) -> None:
+    """``row`` shows ``steps`` negotiations (a tick of every rank each) and ``steps`` allreduces, bars balanced."""
+    evs = events[row]
+    begins = Counter(e["name"] for e in evs if e["ph"] == "B")
+    ticks = Counter(e["name"] for e in evs if e["ph"] == "X")
+    assert begins["NEGOTIATE_ALLREDUCE"] == steps and begins["ALLREDUCE"] == steps, (row, begins)
+    assert ticks == {str(r): steps for r in range(ranks)}, (row, ticks)
+    assert sum(begins.values()) == sum(1 for e in evs if e["ph"] == "E"), (row, "unbalanced bars")
+
+
 STEPS = 4
 
 

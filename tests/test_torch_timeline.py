@@ -8,10 +8,9 @@ the bucket itself.  The averaged gradients are checked against the mean of both 
 from __future__ import annotations
 
 import os
-from collections import Counter
 
 import pytest
-from test_engine_paths import _run, timeline_rows
+from test_engine_paths import _run, assert_allreduce_row, timeline_rows
 
 pytest.importorskip("torch")
 pytestmark = pytest.mark.skipif(bool(os.environ.get("HOROVOD_RANK")), reason="drives the launcher itself")
@@ -62,9 +61,4 @@ def test_bucketed_gradients_keep_their_timeline_rows(tmp_path):
     events = timeline_rows(timeline)
     assert not [row for row in events if "bucket" in row], sorted(events)
     for name in reports[0]["names"]:
-        evs = events[f"allreduce.{name}"]
-        begins = Counter(e["name"] for e in evs if e["ph"] == "B")
-        ticks = Counter(e["name"] for e in evs if e["ph"] == "X")
-        assert begins["NEGOTIATE_ALLREDUCE"] == STEPS and begins["ALLREDUCE"] == STEPS, (name, begins)
-        assert ticks == {"0": STEPS, "1": STEPS}, (name, ticks)
-        assert sum(begins.values()) == sum(1 for e in evs if e["ph"] == "E"), (name, "unbalanced bars")
+        assert_allreduce_row(events, f"allreduce.{name}", STEPS)

@@ -1,16 +1,21 @@
 """Buffer helpers shared by the communicators: block offsets, even splits and a fast copy.
 
 ``copy_into`` exists because glibc's ``memcpy`` (what ``np.copyto`` calls) uses ``rep movsb`` for mid-sized
-copies, which is several times slower than a SIMD loop on some CPUs/VMs (measured here: 128 KiB at
-~2.7 GB/s with memcpy vs ~25 GB/s with a uint64 ufunc loop); above ``MEMCPY_MIN`` memcpy is faster.
-The pieces our shared-memory collectives move are exactly in that range.
+copies, which is several times slower than a SIMD loop on some CPUs/VMs (measured on one host of this
+project: 128 KiB at ~2.7 GB/s with memcpy vs ~25 GB/s with a uint64 ufunc loop) and faster on others (another
+host: memcpy 1.2-2.5x faster from 16 to 192 KiB, also into shared memory); above ``MEMCPY_MIN`` memcpy is
+faster everywhere.  The pieces our shared-memory collectives move are exactly in that range, so each process
+measures once which loop this machine prefers (:func:`simd_copy_faster`).
 """
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
-__all__ = ["offsets", "split_counts", "copy_into", "place", "Pieces", "MEMCPY_MIN", "MERGE_BELOW"]
+__all__ = ["offsets", "split_counts", "copy_into", "simd_copy_faster", "place", "Pieces", "MEMCPY_MIN",
+           "MERGE_BELOW"]
 
 MEMCPY_MIN = 256 * 1024
 
@@ -28,10 +33,36 @@ def split_counts(n: int, parts: int) -> list[int]:
     return [n * (i + 1) // parts - n * i // parts for i in range(parts)]
 
 
+_simd_copy: bool | None = None
+
+
+def simd_copy_faster() -> bool:
+    """Whether a uint64 ufunc loop copies 128 KiB clearly faster than ``memcpy`` here (measured once, ~1 ms;
+    the best of five timings of each, so that a busy moment does not decide)."""
+    global _simd_copy
+    if _simd_copy is None:
+        src = np.ones(16384, np.uint64)
+        dst = np.empty_like(src)
+
+        def best(copy) -> float:
+            copy()
+            fastest = float("inf")
+            for _ in range(5):
+                start = time.perf_counter()
+                for _ in range(8):
+                    copy()
+                fastest = min(fastest, time.perf_counter() - start)
+            return fastest
+        memcpy = best(lambda: np.copyto(dst, src))
+        simd = best(lambda: np.bitwise_or(src, 0, out=dst))
+        _simd_copy = simd * 1.25 < memcpy
+    return _simd_copy
+
+
 def copy_into(dst: np.ndarray, src: np.ndarray) -> None:
     """``dst[:] = src`` for 1-D contiguous arrays of one dtype, by the faster of two copy loops."""
     nbytes = src.nbytes
-    if nbytes >= MEMCPY_MIN or nbytes < 64:
+    if nbytes >= MEMCPY_MIN or nbytes < 64 or not (_simd_copy if _simd_copy is not None else simd_copy_faster()):
         np.copyto(dst, src)
         return
     d8, s8 = dst.view(np.uint8), src.view(np.uint8)

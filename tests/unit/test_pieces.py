@@ -65,3 +65,17 @@ def test_output_pieces_keep_every_part_and_scatter_into_them():
     np.testing.assert_array_equal(np.concatenate(parts)[2:10], -1 - np.arange(8, dtype=np.float32))
     with pytest.raises(ValueError, match="contiguous"):
         Pieces([np.zeros((4, 4), np.float32)[:, 1]], merge=False)
+
+
+@pytest.mark.parametrize("simd", [True, False], ids=["ufunc-loop", "memcpy"])
+def test_copy_into_either_loop(monkeypatch, simd):
+    """``copy_into`` copies exactly, whichever loop the machine's measurement picked (odd byte counts too)."""
+    monkeypatch.setattr(buffers, "_simd_copy", simd)
+    rng = np.random.default_rng(1)
+    for nbytes in (1, 63, 64, 65, 4096 + 3, 100_000, buffers.MEMCPY_MIN - 1, buffers.MEMCPY_MIN + 5):
+        src = rng.integers(0, 256, nbytes, dtype=np.uint8)
+        dst = np.zeros(nbytes + 8, np.uint8)
+        buffers.copy_into(dst[3:3 + nbytes], src)  # a destination that is not 8-byte aligned
+        np.testing.assert_array_equal(dst[3:3 + nbytes], src)
+        assert not dst[:3].any() and not dst[3 + nbytes:].any()
+    assert isinstance(buffers.simd_copy_faster(), bool)

@@ -197,15 +197,55 @@ def _check(err):
     return np.int64(0)
 
 
+class _Site:
+    """One collective of a traced function: its receive queue, and which call of it may deliver.
+
+    A call whose step was aborted (another op of the function failed) had its dequeue cancelled, but its
+    collective still completes and delivers: without this, that result stayed in the queue and every later
+    call read the result of the call before it (or, for results written into TensorFlow-owned buffers, the
+    buffers before the engine wrote them).  So a call first drops what is left in the queue, and a delivery
+    is dropped once a later call has started; the lock keeps the two apart."""
+
+    def __init__(self, queue) -> None:
+        self.queue = queue
+        self.calls = 0
+        self.lock = threading.Lock()
+
+    def start(self, submit: Submit, arrays: list) -> tuple[int, Finish]:
+        with self.lock:
+            self.calls += 1
+            stale = int(self.queue.size())
+            if stale:
+                log.debug("dropping %d result(s) of aborted calls", stale)
+            for _ in range(stale):  # (dequeue_many needs shapes the queue does not declare)
+                err = self.queue.dequeue()
+                err = int((err[-1] if isinstance(err, (list, tuple)) else err).numpy())
+                if err >= 0:
+                    _completer.take_error(err)
+            try:
+                return self.calls, submit(arrays)
+            except BaseException:
+                self.calls -= 1  # (a concurrent call of the same collective: the first one still delivers)
+                raise
+
+    def deliver(self, call: int, outs: list, err: int) -> None:
+        with self.lock:
+            if call == self.calls:
+                _enqueue(self.queue, outs, err)
+            elif err >= 0:
+                _completer.take_error(err)
+
+
 def _receive_in_function(submit: Submit, inputs, out_dtypes, np_dtypes, name: str,
                          owned: Sequence[tf.Tensor] = ()) -> list[tf.Tensor]:
     """Inside ``tf.function``: an eager queue the completer fills directly."""
     with tf.init_scope():
-        tf_queue = tf.queue.FIFOQueue(1 << 16, [*out_dtypes, tf.int64])
+        site = _Site(tf.queue.FIFOQueue(1 << 16, [*out_dtypes, tf.int64]))
+    tf_queue = site.queue
 
     def do_submit(*arrays):
-        finish = submit(list(arrays))
-        _completer.put(finish, lambda outs, err: _enqueue(tf_queue, outs, err), np_dtypes)
+        call, finish = site.start(submit, list(arrays))
+        _completer.put(finish, lambda outs, err: site.deliver(call, outs, err), np_dtypes)
         return np.int64(0)
 
     with tf.name_scope(name):

@@ -340,6 +340,25 @@ def test_mismatch_in_graph_mode_surfaces_through_a_reshape():
         tf.function(lambda: tf.reshape(hvd.allgather(tf.ones([2, 3 + r]), name="err_gather_fn"), [-1]) * 2)()
 
 
+def test_a_call_after_an_aborted_one_gets_its_own_results():
+    """A step that fails (here: another collective mismatches) cancels its other receives, but their
+    collectives still finish and deliver.  The next call of the same function must not take those results for
+    its own: it used to, and every later call then returned the result of the call before it."""
+    r, n = hvd.rank(), hvd.size()
+
+    @tf.function
+    def step(a, b):
+        return hvd.allreduce(a, op=hvd.Sum, name="abort_a"), hvd.allreduce(b, op=hvd.Sum, name="abort_b")
+    big = 40_000_000  # 160 MB: still being reduced when the mismatch aborts the step
+    with pytest.raises(tf.errors.OpError, match="Mismatched"):
+        step(tf.ones([3 if r == 1 else 2]), tf.fill([big], 1.0))  # rank 1 traces its own copy, the others reuse
+    time.sleep(0.5)  # the aborted call's other collective finishes meanwhile (an elastic reset takes longer)
+    for call in range(1, 4):
+        _, b = step(tf.ones([2]), tf.fill([big], float(call + 1)))
+        got = b.numpy()
+        assert got[0] == got[-1] == n * (call + 1), (call, got[:2], got[-2:])
+
+
 def test_bad_arguments_are_invalid_argument():
     n = hvd.size()
     with pytest.raises(tf.errors.InvalidArgumentError, match="first dimension of tensor is not an even multiple"):

@@ -134,10 +134,11 @@ class Executor:
                 src = np.zeros(_numel(shape), dtype)
             else:  # in place: hand the communicator the very same view so it sees ``inp is out``
                 src = flat if e.output is e.tensor else e.tensor.reshape(-1)
-            parts = None  # an output made of the caller's own arrays (Pieces) the communicator cannot write
-            if type(flat) is Pieces and (resp.prescale != 1.0 or not comm.takes_pieces):
+            flat_only = resp.prescale != 1.0 or not comm.takes_pieces  # Pieces in or out become flat here
+            parts = None  # an output made of the caller's own arrays, scattered into after the reduction
+            if flat_only and type(flat) is Pieces:
                 parts, flat = flat, np.empty(flat.size, dtype)
-            if type(src) is Pieces and (resp.prescale != 1.0 or not comm.takes_pieces):
+            if flat_only and type(src) is Pieces:
                 src = src.concatenate(flat)
             if resp.prescale != 1.0:
                 scaled_copy(src, resp.prescale, flat)

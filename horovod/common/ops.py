@@ -82,14 +82,15 @@ def _check_op(op: int, rtype: int) -> None:
 
 def allreduce(tensor, output: np.ndarray | None = None, *, name: str | None = None, op: int = ReduceOp.AVERAGE,
               prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-              process_set: ProcessSet = global_process_set, wake: bool = True) -> Handle:
+              process_set: ProcessSet = global_process_set, wake: bool = True, send_now: bool = False) -> Handle:
     """Enqueue an allreduce; ``output`` (may be ``tensor`` itself) receives the result in place.
 
     ``tensor`` may be :class:`~horovod.transport.buffers.Pieces` (several arrays reduced as their 1-D
     concatenation, which the shared-memory transport never makes).
 
     ``wake=False`` when the caller calls ``wait()`` right away: the waiting thread runs the engine's round
-    itself, so waking the engine thread would only cost a thread hand-over."""
+    itself, so waking the engine thread would only cost a thread hand-over.  ``send_now=True`` when another
+    thread waits for it: the request leaves from this thread at once (see ``Engine._send_now``)."""
     if op not in _PLAIN_OPS:
         _check_op(op, RequestType.ALLREDUCE)
     if process_set is global_process_set:  # always registered, every rank a member: no lookup
@@ -101,7 +102,7 @@ def allreduce(tensor, output: np.ndarray | None = None, *, name: str | None = No
     arr = tensor if type(tensor) is np.ndarray or type(tensor) is Pieces else np.asarray(tensor)
     req = Request(RequestType.ALLREDUCE, ps_id, name or auto_name("allreduce", ps_id), dtype_code(arr.dtype),
                   arr.shape, -1, op, float(prescale_factor), float(postscale_factor))
-    return engine.enqueue_one(req, arr, output, wake)
+    return engine.enqueue_one(req, arr, output, wake, send_now)
 
 
 def grouped_allreduce(tensors: Sequence, outputs: Sequence | None = None, *, name: str | None = None,

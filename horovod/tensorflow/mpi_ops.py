@@ -129,26 +129,20 @@ def _flat_allreduce(tensors: list[tf.Tensor], *, op: int, prescale_factor: float
     shared = [i for i, n in enumerate(sizes) if n * dtype.size < _OWN_BUFFER_BYTES]
     starts, shared_total = _aligned_layout([sizes[i] for i in shared], dtype.size)
     # The engine's flat tensor: the shared results' buffer first, then each own result (every rank alike).
-    flat_in = [tf.reshape(tensors[i], [-1]) for i in shared + own]
+    # The small inputs are concatenated here, gaps included (one op, no Python per tensor); the large ones
+    # reach the engine as they are.
+    flat_in = [_concat_at(starts, shared_total, [tensors[i] for i in shared])] if shared else []
+    flat_in += [tf.reshape(tensors[i], [-1]) for i in own]
     owned = [tf.raw_ops.Empty(shape=[shared_total], dtype=dtype)] if shared else []
     owned += [tf.raw_ops.Empty(shape=[sizes[i]], dtype=dtype) for i in own]
-    n_shared, n_in = len(shared), len(flat_in)
+    n_in = len(flat_in)
 
     def submit(arrays):
-        parts, at = [], 0
-        for start, a in zip(starts, arrays[:n_shared]):  # each at its aligned start; the gaps reduce zeros
-            if start > at:
-                parts.append(np.zeros(start - at, a.dtype))
-            parts.append(a)
-            at = start + a.size
-        if n_shared and shared_total > at:
-            parts.append(np.zeros(shared_total - at, arrays[0].dtype))
-        parts += arrays[n_shared:n_in]
-        outs = arrays[n_in:]
+        parts, outs = arrays[:n_in], arrays[n_in:]
         pending = [_ops.allreduce(parts[0] if len(parts) == 1 else _ops.Pieces(parts),
                                   outs[0] if len(outs) == 1 else _ops.Pieces(outs, merge=False),
                                   name=name, op=op, prescale_factor=prescale_factor,
-                                  postscale_factor=postscale_factor, process_set=process_set)]
+                                  postscale_factor=postscale_factor, process_set=process_set, send_now=True)]
         del parts, outs, arrays[:]  # from here on only the handle holds the views
 
         def finish():
@@ -166,6 +160,20 @@ def _flat_allreduce(tensors: list[tf.Tensor], *, op: int, prescale_factor: float
     for i, r in zip(own, results[1:] if shared else results):
         out[i] = tf.reshape(r, shapes[i])
     return out
+
+
+def _concat_at(starts: list[int], total: int, tensors: list[tf.Tensor]) -> tf.Tensor:
+    """``tensors`` flattened into one 1-D tensor of ``total`` elements, each at its start, zeros between."""
+    dtype = tensors[0].dtype
+    parts, at = [], 0
+    for start, t in zip(starts, tensors):
+        if start > at:
+            parts.append(tf.zeros([start - at], dtype))
+        parts.append(tf.reshape(t, [-1]))
+        at = start + t.shape.num_elements()
+    if total > at:
+        parts.append(tf.zeros([total - at], dtype))
+    return parts[0] if len(parts) == 1 else tf.concat(parts, 0)
 
 
 _SLICE_ALIGN_BYTES = 64  # TensorFlow shares a dim-0 slice's buffer only when both its ends are this aligned

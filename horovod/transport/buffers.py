@@ -10,6 +10,7 @@ measures once which loop this machine prefers (:func:`simd_copy_faster`).
 
 from __future__ import annotations
 
+import bisect
 import time
 
 import numpy as np
@@ -149,7 +150,7 @@ class Pieces:
     def segments(self, lo: int, hi: int) -> list[tuple[int, np.ndarray]]:
         """The parts' views covering elements ``[lo, hi)``, each with its offset from ``lo``."""
         starts = self._starts
-        i = max(0, int(np.searchsorted(starts, lo, side="right")) - 1)
+        i = max(0, bisect.bisect_right(starts, lo) - 1)
         found = []
         while i < len(self.parts) and starts[i] < hi:
             a, b = max(lo, starts[i]), min(hi, starts[i + 1])

@@ -129,6 +129,57 @@ def test_killed_rank_fails_the_others_quickly(tmp_path):
         assert reports[r]["elapsed"] < 5.0
 
 
+def test_killed_rank_fails_a_tensorflow_training_step_quickly(tmp_path):
+    """``tf.function`` + ``DistributedGradientTape`` over 120 gradient tensors (small ones concatenated in the
+    graph, large ones read in place, requests sent by the submit op itself): when a rank is killed between
+    steps, the next step fails on the others within seconds with the shutdown error, and nothing is left."""
+    body = """
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # outlive the launcher's SIGTERM to report
+        os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"
+        import tensorflow as tf
+        import horovod.tensorflow as hvd
+        hvd.init()
+        shapes = [(64, 32) if i % 3 else (70_000,) for i in range(120)]
+        variables = [tf.Variable(tf.fill(s, float(i % 7))) for i, s in enumerate(shapes)]
+
+        @tf.function
+        def step():
+            with tf.GradientTape() as tape:
+                loss = tf.add_n([tf.reduce_sum(v * v) for v in variables]) * float(hvd.rank() + 1)
+            grads = hvd.DistributedGradientTape(tape).gradient(loss, variables)
+            for v, g in zip(variables, grads):
+                v.assign_sub(0.001 * g)
+            return grads[1][0, 0]
+        for _ in range(3):
+            step()
+        # the averaged gradient of 2 * (rank + 1) * v: (size + 1) * v on every rank
+        expected = (hvd.size() + 1) * float(variables[1][0, 0].numpy())
+        got = float(step().numpy())
+        if hvd.rank() == 1:
+            hvd.barrier()
+            time.sleep(0.5)
+            os.kill(os.getpid(), signal.SIGKILL)
+        hvd.barrier()
+        t0 = time.monotonic()
+        try:
+            for _ in range(3):
+                step()
+            report(ok=True)
+        except Exception as e:
+            report(error=str(e), type=type(e).__name__, elapsed=time.monotonic() - t0, got=got, expected=expected)
+        sys.exit(1)
+    """
+    code, out = _run(tmp_path, 3, body, timeout=180.0, OMP_NUM_THREADS="1")
+    assert code != 0
+    reports = _reports(tmp_path, 3)
+    assert 1 not in reports
+    for r in (0, 2):
+        assert r in reports, out
+        assert SHUT_DOWN_PREFIX in reports[r].get("error", ""), reports[r]
+        assert reports[r]["elapsed"] < 10.0, reports[r]
+        assert abs(reports[r]["got"] - reports[r]["expected"]) < 1e-3 * abs(reports[r]["expected"]), reports[r]
+
+
 def test_rank_exiting_early_fails_the_next_collective(tmp_path):
     body = """
         hvd.init()

@@ -191,12 +191,6 @@ def run_collective(submit: Submit, inputs: Sequence[tf.Tensor], out_dtypes: Sequ
     return _receive_in_session(submit, inputs, out_dtypes, np_dtypes, name)
 
 
-def _check(err):
-    if err >= 0:
-        raise _completer.take_error(int(err))
-    return np.int64(0)
-
-
 class _Site:
     """One collective of a traced function: its receive queue, and which call of it may deliver.
 
@@ -248,7 +242,9 @@ class _Site:
         """The check op: the delivery was read; raise its error, if any."""
         with self.lock:
             self.unread = max(0, self.unread - 1)
-        return _check(err)
+        if err >= 0:
+            raise _completer.take_error(int(err))
+        return np.int64(0)
 
 
 def _receive_in_function(submit: Submit, inputs, out_dtypes, np_dtypes, name: str,

@@ -41,6 +41,8 @@ from horovod.runtime.queue import Handle, TensorEntry, TensorQueue
 from horovod.runtime.timeline import Timeline
 from horovod.transport.communicator import Communicator, PeerFailure
 from horovod.transport.local import SelfCommunicator
+from horovod.transport.outbox import Outbox
+from horovod.transport.wire import FrameReader
 
 __all__ = ["Engine", "Topology", "DUPLICATE_NAME_MESSAGE"]
 
@@ -52,6 +54,9 @@ DUPLICATE_NAME_MESSAGE = (
 )
 _REQUESTS = 1
 _RESPONSES = 2
+_READABLE = select.EPOLLIN | select.EPOLLERR | select.EPOLLHUP
+_NO_DEADLINE = 365 * 86400.0  # the wait of a job whose knobs say never
+_DRAIN_TIMEOUT = 2.0  # seconds the last control frames may take to leave when the engine stops
 _KEEPALIVE = 3  # payload: the sender's time.monotonic() as a big-endian double
 _PARAMS = 4  # rank 0 -> workers: autotune's next parameters (Params.pack), in order with the responses
 _STAMP = struct.Struct("!d")
@@ -123,7 +128,7 @@ class Engine:
         self._shutdown_sent_at: float | None = None
         self._closed_peers: set[int] = set()
         self._stop_reason: str | None = None
-        self._ctrl_lock = threading.Lock()  # the keep-alive thread sends on the control channels too
+        self._ctrl_lock = threading.Lock()  # the keep-alive thread sends only while the channels are open
         self._beats_stop = threading.Event()
         now = time.monotonic()
         self._clocks = {r: _PeerClock(now) for r in (range(1, self.size) if self.rank == 0 else (0,))}
@@ -148,9 +153,9 @@ class Engine:
         self._drive = threading.Lock()
         self._finished = False
         self._ctrl = select.epoll()
-        self._channels: dict[int, object] = {}
+        self._channels: dict[int, FrameReader] = {}  # by file descriptor
         for channel in (mesh.ctrl.values() if mesh is not None else ()):
-            self._channels[channel.fileno()] = channel
+            self._channels[channel.fileno()] = FrameReader(channel)
             self._ctrl.register(channel.fileno(), select.EPOLLIN)
         self._ctrl_fd = self._ctrl.fileno()
         self._idle = select.epoll()
@@ -160,6 +165,9 @@ class Engine:
         self._drive_poll.register(self.queue.wake_fd, select.EPOLLIN)
         for fd in self._channels:
             self._drive_poll.register(fd, select.EPOLLIN)
+        # Control frames never block their sender (see transport/outbox.py); what waits is sent from the
+        # rounds once the channel is writable.
+        self._outbox = Outbox(mesh.ctrl if mesh is not None else {}, self._watch_writable)
         self.queue.driver = self._drive_until
         self._thread = threading.Thread(target=self._run, name="horovod-engine", daemon=True)
 
@@ -289,12 +297,7 @@ class Engine:
         if self.timeline is not None:
             self.timeline.mark_cycle()
         ready: set[int] = set()  # peers whose control frames were read now (not silent)
-        channels = self._channels
-        for fd, _ in self._ctrl.poll(0) if events is None else events:
-            channel = channels.get(fd)
-            if channel is not None:
-                ready.add(channel.peer)
-                self._on_frame(channel)
+        self._read_ctrl(self._ctrl.poll(0) if events is None else events, ready)
         self._send_local_requests()
         self._draining = ready
         self._check_liveness(ready)
@@ -304,6 +307,30 @@ class Engine:
         if self._shutdown_sent_at is not None and self._stop_reason is None and \
                 time.monotonic() - self._shutdown_sent_at > _SHUTDOWN_ACK_TIMEOUT:
             self._stop_reason = self._shutdown_requested
+
+    def _read_ctrl(self, events: list[tuple[int, int]], ready: set[int]) -> None:
+        """Read every control frame that arrived (one frame per channel and round let a backlog grow behind
+        a busy rank 0) and send what waited for a channel to become writable."""
+        channels = self._channels
+        for fd, mask in events:
+            reader = channels.get(fd)
+            if reader is None:
+                continue
+            if mask & select.EPOLLOUT:
+                self._outbox.flush(reader.channel.peer)
+            if mask & _READABLE:
+                ready.add(reader.channel.peer)
+                self._on_frames(reader)
+
+    def _watch_writable(self, channel, on: bool) -> None:
+        """The outbox's callback: poll ``channel`` for writability while frames wait for it."""
+        mask = select.EPOLLIN | (select.EPOLLOUT if on else 0)
+        fd = channel.fileno()
+        for ep in (self._ctrl, self._drive_poll):
+            try:
+                ep.modify(fd, mask)
+            except (OSError, ValueError):  # closed: the peer is gone, or the engine has finished
+                pass
 
     def _drive_until(self, handle: Handle, deadline: float | None) -> None:
         """Run the engine's rounds in the calling thread until ``handle`` completes (or the deadline passes,
@@ -413,37 +440,47 @@ class Engine:
                 self._spin_backoff = min(64, 2 * self._spin_backoff)
                 return None
 
-    def _on_frame(self, channel) -> None:
-        peer = channel.peer
+    def _on_frames(self, reader: FrameReader) -> None:
+        """Handle the control frames that arrived from one peer (all of them, without waiting for more)."""
+        channel = reader.channel
         try:
-            kind, payload = channel.recv_msg()
+            frames = reader.read()
         except (ConnectionError, OSError) as e:
-            fd = channel.fileno()
-            if self._channels.pop(fd, None) is not None:
-                self._ctrl.unregister(fd)
-                self._drive_poll.unregister(fd)
-            self._closed_peers.add(peer)
-            silent = self._silence(peer)  # a peer stopped for a while, then killed, was unresponsive first
-            if self.coordinator is None:
-                if self._stop_reason is None:
-                    if self._shutdown_requested is not None:
-                        reason = self._shutdown_requested
-                    elif silent is not None:
-                        reason = self._unresponsive(0, silent, f"rank {self.rank} waited for it",
-                                                    f", then it closed ({e})")
-                    else:
-                        reason = f"lost the connection to the coordinator (rank 0): {e}"
-                        if self._broken is not None:
-                            reason = f"{self._broken[0]}; {reason}"
-                    self._stop_reason = reason
-            else:
-                host = self.mesh.hostnames[peer] if self.mesh is not None else "?"
-                if silent is not None:
-                    reason = self._unresponsive(peer, silent, "other ranks waited for it", ", then it closed")
-                else:
-                    reason = f"rank {peer} on host {host} exited or lost its connection"
-                self.coordinator.peer_lost(peer, reason)
+            self._lost_channel(channel, e)
             return
+        for kind, payload in frames:
+            self._on_frame(channel.peer, kind, payload)
+
+    def _lost_channel(self, channel, e: BaseException) -> None:
+        """The control connection to ``channel.peer`` ended (closed, reset, or garbage on it)."""
+        peer = channel.peer
+        fd = channel.fileno()
+        if self._channels.pop(fd, None) is not None:
+            self._ctrl.unregister(fd)
+            self._drive_poll.unregister(fd)
+        self._closed_peers.add(peer)
+        silent = self._silence(peer)  # a peer stopped for a while, then killed, was unresponsive first
+        if self.coordinator is None:
+            if self._stop_reason is None:
+                if self._shutdown_requested is not None:
+                    reason = self._shutdown_requested
+                elif silent is not None:
+                    reason = self._unresponsive(0, silent, f"rank {self.rank} waited for it",
+                                                f", then it closed ({e})")
+                else:
+                    reason = f"lost the connection to the coordinator (rank 0): {e}"
+                    if self._broken is not None:
+                        reason = f"{self._broken[0]}; {reason}"
+                self._stop_reason = reason
+        else:
+            host = self.mesh.hostnames[peer] if self.mesh is not None else "?"
+            if silent is not None:
+                reason = self._unresponsive(peer, silent, "other ranks waited for it", ", then it closed")
+            else:
+                reason = f"rank {peer} on host {host} exited or lost its connection"
+            self.coordinator.peer_lost(peer, reason)
+
+    def _on_frame(self, peer: int, kind: int, payload: bytes) -> None:
         try:
             if kind == _KEEPALIVE:
                 if len(payload) != _STAMP.size:
@@ -602,6 +639,8 @@ class Engine:
             if resp.type == RequestType.ERROR and resp.payload and resp.payload[0] != self.rank:
                 continue
             try:
+                if self.coordinator is not None and self._outbox.waiting():
+                    self._deliver_before(resp)
                 entries = self.executor.execute(resp)
             except CollectiveFailure as e:
                 self._collective_failed(e.cause, e.entries)
@@ -618,6 +657,18 @@ class Engine:
                 params = self._tuner.update(resp.names, resp.nbytes())
                 if params is not None:
                     self._publish_params(params)
+
+    def _deliver_before(self, resp: Response) -> None:
+        """Rank 0, before it waits in a collective: the members must have all of its response frame.
+
+        A member whose socket buffer was full (it was busy in a collective of other ranks) holds only part
+        of the frame that names this collective, the rest waits in the outbox, which rank 0 flushes only
+        between collectives: it would never join.  Blocking here is safe -- such a member reads again once
+        the collectives before this one are done, and those need nothing from rank 0 (it ran its own)."""
+        members = self.set_ranks(resp.process_set_id) or range(self.size)
+        left = self._outbox.drain(self._deadline or _NO_DEADLINE, peers={r for r in members if r != self.rank})
+        if left:
+            raise PeerFailure(left[0], f"did not read its control messages within {self._deadline:g} s")
 
     def _record_cache(self, resp: Response, entries: list) -> None:
         """Remember the cache ids a response assigned (and how to rebuild a compact response of each)."""
@@ -743,8 +794,7 @@ class Engine:
 
     # ------------------------------------------------------------------ liveness and data-plane failures
     def _send_ctrl(self, peer: int, kind: int, payload) -> None:
-        with self._ctrl_lock:
-            self.mesh.ctrl[peer].send_msg(kind, payload)
+        self._outbox.send(peer, kind, payload)
 
     def _keepalive(self) -> None:
         """Tell the control-channel peers every ``_beat`` s that this process is alive.
@@ -758,10 +808,10 @@ class Engine:
                 mesh = self.mesh
                 if self._beats_stop.is_set() or mesh is None:
                     return
-                for r, channel in list(mesh.ctrl.items()):
+                for r in list(mesh.ctrl):
                     if r not in self._closed_peers:
                         try:
-                            channel.send_msg(_KEEPALIVE, stamp)
+                            self._outbox.send(r, _KEEPALIVE, stamp)
                         except (ConnectionError, OSError):
                             pass  # the engine thread sees the closed connection itself
 
@@ -907,6 +957,7 @@ class Engine:
                 pass
         self._comms.clear()
         if self.mesh is not None:
+            self._outbox.drain(_DRAIN_TIMEOUT)  # the last frames often say why this rank stops
             self.mesh.close()
             self.mesh = None
         if self.timeline is not None:

@@ -42,7 +42,7 @@ from horovod.base.exceptions import WireError
 from horovod.transport.communicator import PeerFailure
 
 __all__ = ["Channel", "TlsChannel", "make_channel", "TruncatedFrame", "MAGIC", "VERSION", "HEADER", "MAX_FRAME",
-           "byte_view", "exchange", "Transfer"]
+           "byte_view", "frame_parts", "FrameReader", "exchange", "Transfer"]
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +52,8 @@ HEADER = struct.Struct("!2sBBI")
 MAX_FRAME = 256 * 1024 * 1024
 # Payloads up to this size are sent together with their header in one syscall.
 _SMALL = 64 * 1024
+# Bytes a FrameReader takes from the socket per call (many small control frames in one syscall).
+_READ_CHUNK = 256 * 1024
 _TIMEVAL = struct.Struct("ll")
 _WAITALL = socket.MSG_WAITALL
 _DONTWAIT = socket.MSG_DONTWAIT
@@ -64,6 +66,19 @@ _TLS_EOF = (ssl.SSLEOFError, ssl.SSLZeroReturnError)
 
 class TruncatedFrame(PeerFailure, WireError):
     """The peer's stream ended inside a frame: both a malformed frame and a lost peer."""
+
+
+def frame_parts(peer: int, kind: int, payload: bytes | bytearray | memoryview = b"") -> list[memoryview]:
+    """The bytes of one frame to ``peer``: header and payload in one piece when small (one syscall), else
+    the header and the payload itself (not copied)."""
+    n = len(payload) if not isinstance(payload, memoryview) else payload.nbytes
+    if n > MAX_FRAME:
+        raise WireError(f"frame of {n} bytes to rank {peer} exceeds the {MAX_FRAME}-byte limit")
+    header = HEADER.pack(MAGIC, VERSION, kind, n)
+    if n <= _SMALL:
+        return [memoryview(header + payload if n else header)]
+    view = payload if isinstance(payload, memoryview) else memoryview(payload)
+    return [memoryview(header), view if view.format == "B" and view.ndim == 1 else view.cast("B")]
 
 
 def byte_view(buf: Any) -> memoryview:
@@ -142,16 +157,9 @@ class Channel:
     # -- frames --------------------------------------------------------------------------------------
     def send_msg(self, kind: int, payload: bytes | bytearray | memoryview = b"") -> None:
         """Send one frame; small payloads go out with their header in a single syscall."""
-        n = len(payload) if not isinstance(payload, memoryview) else payload.nbytes
-        if n > MAX_FRAME:
-            raise WireError(f"frame of {n} bytes to rank {self.peer} exceeds the {MAX_FRAME}-byte limit")
-        header = HEADER.pack(MAGIC, VERSION, kind, n)
         try:
-            if n <= _SMALL:
-                self._sendall(header + payload if n else header)
-            else:
-                self._sendall(header)
-                self._sendall(payload)
+            for part in frame_parts(self.peer, kind, payload):
+                self._sendall(part)
         except OSError as e:
             raise self._fail(e, "sending a frame") from e
 
@@ -387,6 +395,103 @@ class TlsChannel(Channel):
     def pending(self) -> int:
         with self._lock:
             return self.sock.pending()
+
+
+class FrameReader:
+    """The frames of one channel, read without ever waiting for the rest of a frame.
+
+    :meth:`Channel.recv_msg` blocks until a whole frame is there; a reader that blocks on a frame its peer
+    could not finish sending (the peer's :class:`~horovod.transport.outbox.Outbox` holds the rest) waits
+    for a peer that may itself be waiting for the reader inside a collective.  :meth:`read` takes what has
+    arrived -- every complete frame, in order, in as few system calls as it can -- and keeps a partial frame
+    for the next call.  A header is checked before its payload is allocated (``max_len``).
+    """
+
+    __slots__ = ("channel", "_max", "_scratch", "_head", "_have", "_kind", "_payload", "_got", "_error")
+
+    def __init__(self, channel: Channel, max_len: int = MAX_FRAME) -> None:
+        self.channel = channel
+        self._max = max_len
+        self._scratch = memoryview(bytearray(_READ_CHUNK))
+        self._head = bytearray(HEADER.size)
+        self._have = 0  # header bytes held
+        self._kind = 0
+        self._payload: bytearray | None = None  # a payload being filled, and its bytes so far
+        self._got = 0
+        self._error: BaseException | None = None  # met after complete frames: raised by the next call
+
+    def read(self) -> list[tuple[int, bytes]]:
+        """The frames complete now, ``(kind, payload)`` each ([] if none).
+
+        Raises PeerFailure when the peer closed or reset the connection (TruncatedFrame inside a frame) and
+        WireError for bytes that are not a frame; frames complete before either are returned first.
+        """
+        if self._error is not None:
+            raise self._error
+        channel, frames = self.channel, []
+        try:
+            while True:
+                payload = self._payload
+                if payload is not None and len(payload) - self._got >= _READ_CHUNK:
+                    k = channel.try_recv_into(memoryview(payload)[self._got:], len(payload) - self._got)
+                    if k:
+                        self._got += k
+                        if self._got == len(payload):
+                            frames.append((self._kind, bytes(payload)))
+                            self._payload = None
+                        continue
+                else:
+                    k = channel.try_recv_into(self._scratch, _READ_CHUNK)
+                    if k:
+                        self._feed(self._scratch[:k], frames)
+                        if k == _READ_CHUNK or channel.pending():
+                            continue
+                        return frames
+                if k is None:
+                    return frames
+                if self._have or self._payload is not None:
+                    raise TruncatedFrame(channel.peer, "connection closed in the middle of a frame", closed=True)
+                raise channel._fail(None, "receiving a frame header")
+        except OSError as e:
+            error = e if isinstance(e, (PeerFailure, WireError)) else channel._fail(e, "receiving a frame")
+            if not frames:
+                raise error from None
+            self._error = error
+            return frames
+
+    def _feed(self, view: memoryview, frames: list[tuple[int, bytes]]) -> None:
+        pos, n, head = 0, len(view), self._head
+        while pos < n:
+            payload = self._payload
+            if payload is None:
+                take = min(HEADER.size - self._have, n - pos)
+                head[self._have:self._have + take] = view[pos:pos + take]
+                self._have += take
+                pos += take
+                if self._have < HEADER.size:
+                    return
+                self._have = 0
+                magic, version, kind, length = HEADER.unpack(head)
+                if magic != MAGIC:
+                    raise WireError(f"bad frame magic {bytes(magic)!r} from rank {self.channel.peer}")
+                if version != VERSION:
+                    raise WireError(f"unsupported frame version {version} from rank {self.channel.peer}")
+                if length > self._max:
+                    raise WireError(f"frame of {length} bytes from rank {self.channel.peer} exceeds the "
+                                    f"{self._max}-byte limit")
+                if n - pos >= length:  # the whole payload is here: no staging copy
+                    frames.append((kind, bytes(view[pos:pos + length])))
+                    pos += length
+                    continue
+                self._kind, self._payload, self._got = kind, bytearray(length), 0
+            else:
+                take = min(len(payload) - self._got, n - pos)
+                payload[self._got:self._got + take] = view[pos:pos + take]
+                self._got += take
+                pos += take
+                if self._got == len(payload):
+                    frames.append((self._kind, bytes(payload)))
+                    self._payload = None
 
 
 def make_channel(sock: socket.socket, peer: int, timeout: float | None = None) -> Channel:

@@ -214,6 +214,30 @@ def test_channel_frames_stay_aligned_with_records(job):
         b.close()
 
 
+def test_outbox_and_frame_reader_over_tls(job):
+    """The control plane's non-blocking pair over TLS: sends never wait for a reader that does not read,
+    and the reader gets every frame whole and in order, nothing left decrypted inside the SSL object."""
+    from test_transport_outbox import _frames, pump
+
+    from horovod.transport.outbox import Outbox
+    from horovod.transport.wire import FrameReader
+
+    a, b = _tls_pair(job, job)
+    try:
+        box = Outbox({1: b}, lambda ch, on: None)
+        frames = _frames(120, 2)  # more than the two socket buffers hold
+        start = time.monotonic()
+        for kind, payload in frames:
+            box.send(1, kind, payload)
+        assert time.monotonic() - start < 3.0 and box.waiting()
+        reader = FrameReader(a)
+        assert pump(box, 1, b, reader, len(frames)) == frames
+        assert a.pending() == 0 and not box.waiting()
+    finally:
+        a.close()
+        b.close()
+
+
 def test_channel_timeout_and_eof(job):
     a, b = _tls_pair(job, job)
     a.settimeout(0.3)

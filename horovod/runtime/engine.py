@@ -270,20 +270,27 @@ class Engine:
         running them itself (see :meth:`_drive_until`)."""
         wake_fd = self.queue.wake_fd
         poll = self._idle.poll
+        parked = False  # a caller runs the rounds, and wakes this thread when it stops if work is left
         while self._stop_reason is None:
-            events = poll(self._select_timeout())
+            events = poll(self._beat if parked else self._select_timeout())
+            parked = False
             if any(fd == wake_fd for fd, _ in events):
                 # Let tensors enqueued back to back leave together (and fuse); the window ends as soon as
                 # the enqueuing thread waits for a result, and a caller that waits right away (a lone
-                # synchronous op) runs the round itself without waking this thread at all.
+                # synchronous op) runs the round itself without waking this thread at all.  A caller that
+                # already drives (this thread woke late) needs no window: waking up when it timed out, in
+                # the middle of that caller's step, only takes a core from it or from its peers.
                 self.queue.mark_woken()
-                self.queue.gather_window(self._cycle)
+                if not self._drive.locked():
+                    self.queue.gather_window(self._cycle)
             if not self._drive.acquire(blocking=False):
-                # A waiting caller runs the rounds: wait until it is done, then look again (what was queued
-                # meanwhile gets its gather window instead of leaving alone in a round run right now).
-                self._drive.acquire()
-                self._drive.release()
-                continue
+                # A waiting caller runs the rounds: sleep again rather than wait for its lock, whose release
+                # would wake this thread in the middle of the caller's next op (and often take that op's
+                # rounds from it).  The caller wakes this thread once it stops driving if work is left.
+                self.queue.park()
+                if not self._drive.acquire(blocking=False):
+                    parked = True
+                    continue
             try:
                 if self._stop_reason is None:
                     self._round()
@@ -349,6 +356,7 @@ class Engine:
         if not self._drive.acquire(blocking=False):  # the engine thread is in a round: it will finish
             self.queue.ensure_awake()
             return
+        engine_has_work = None  # decided when this caller stops driving
         try:
             if self._finished or self._stop_reason is not None:
                 return
@@ -382,14 +390,16 @@ class Engine:
                             self.queue.mark_woken()
             finally:
                 self._idle.modify(self._ctrl_fd, select.EPOLLIN)
-                if self._stop_reason is not None or self._todo or self._broken is not None or \
-                        self._shutdown_requested is not None or \
-                        (self.coordinator is not None and self.coordinator.failures_pending):
-                    self.queue.wake()  # the engine thread has work (or must exit): do not let it sleep
-                else:
-                    self.queue.ensure_awake()  # entries another thread queued without waking anyone
+                engine_has_work = self._stop_reason is not None or bool(self._todo) or \
+                    self._broken is not None or self._shutdown_requested is not None or \
+                    (self.coordinator is not None and self.coordinator.failures_pending)
         finally:
             self._drive.release()
+        # After the release: an engine thread woken before it would go back to sleep (see _loop).
+        if engine_has_work:
+            self.queue.wake()  # the engine thread has work (or must exit): do not let it sleep
+        elif engine_has_work is not None:
+            self.queue.ensure_awake()  # entries another thread queued without waking anyone
 
     def _send_now(self) -> None:
         """Send the queued requests (and, on the coordinator, answer what is complete) from this thread,

@@ -242,6 +242,19 @@ class TensorQueue:
         if signal:
             self._poke()
 
+    def park(self) -> None:
+        """The engine thread goes back to sleep while a caller runs the rounds: forget the wake-up it got
+        (the pipe is emptied first, then the flag cleared, so a push after this pokes again).  What the
+        caller's rounds leave behind wakes it again: the caller calls :meth:`ensure_awake` once it stopped
+        driving."""
+        self._byte = False
+        try:
+            os.read(self._wake_r, 65536)
+        except (BlockingIOError, OSError):
+            pass
+        with self._lock:
+            self._signalled = False
+
     def mark_woken(self) -> None:
         """The wake pipe was seen readable: the next :meth:`drain` empties it."""
         self._byte = True

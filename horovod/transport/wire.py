@@ -52,8 +52,9 @@ HEADER = struct.Struct("!2sBBI")
 MAX_FRAME = 256 * 1024 * 1024
 # Payloads up to this size are sent together with their header in one syscall.
 _SMALL = 64 * 1024
-# Bytes a FrameReader takes from the socket per call (many small control frames in one syscall).
-_READ_CHUNK = 256 * 1024
+# Bytes a FrameReader takes from the socket per call (many small control frames in one syscall; a larger
+# payload is received straight into its own buffer).
+_READ_CHUNK = 64 * 1024
 _TIMEVAL = struct.Struct("ll")
 _WAITALL = socket.MSG_WAITALL
 _DONTWAIT = socket.MSG_DONTWAIT
@@ -464,14 +465,18 @@ class FrameReader:
         while pos < n:
             payload = self._payload
             if payload is None:
-                take = min(HEADER.size - self._have, n - pos)
-                head[self._have:self._have + take] = view[pos:pos + take]
-                self._have += take
-                pos += take
-                if self._have < HEADER.size:
-                    return
-                self._have = 0
-                magic, version, kind, length = HEADER.unpack(head)
+                if not self._have and n - pos >= HEADER.size:  # the common case: a whole header here
+                    magic, version, kind, length = HEADER.unpack_from(view, pos)
+                    pos += HEADER.size
+                else:
+                    take = min(HEADER.size - self._have, n - pos)
+                    head[self._have:self._have + take] = view[pos:pos + take]
+                    self._have += take
+                    pos += take
+                    if self._have < HEADER.size:
+                        return
+                    self._have = 0
+                    magic, version, kind, length = HEADER.unpack(head)
                 if magic != MAGIC:
                     raise WireError(f"bad frame magic {bytes(magic)!r} from rank {self.channel.peer}")
                 if version != VERSION:

@@ -55,6 +55,9 @@ DUPLICATE_NAME_MESSAGE = (
 _REQUESTS = 1
 _RESPONSES = 2
 _READABLE = select.EPOLLIN | select.EPOLLERR | select.EPOLLHUP
+# Responses whose execution waits for the other members in the data plane.
+_DATA_PLANE = frozenset({RequestType.ALLREDUCE, RequestType.ALLGATHER, RequestType.BROADCAST,
+                         RequestType.ALLTOALL, RequestType.REDUCESCATTER})
 _NO_DEADLINE = 365 * 86400.0  # the wait of a job whose knobs say never
 _DRAIN_TIMEOUT = 2.0  # seconds the last control frames may take to leave when the engine stops
 _KEEPALIVE = 3  # payload: the sender's time.monotonic() as a big-endian double
@@ -649,7 +652,8 @@ class Engine:
             if resp.type == RequestType.ERROR and resp.payload and resp.payload[0] != self.rank:
                 continue
             try:
-                if self.coordinator is not None and self._outbox.waiting():
+                if self.coordinator is not None and self._outbox.waiting() and resp.data is None and \
+                        resp.type in _DATA_PLANE:
                     self._deliver_before(resp)
                 entries = self.executor.execute(resp)
             except CollectiveFailure as e:

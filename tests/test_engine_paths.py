@@ -308,3 +308,44 @@ def test_rank_0_completes_its_answer_to_a_busy_rank_before_waiting_for_it(tmp_pa
     for r in range(3):
         assert reports[r]["bad"] == [] and reports[r]["ok_big"], (r, reports[r])
         assert reports[r]["waited"] < 12, reports[r]
+
+
+@pytest.mark.parametrize("cycle", ["1", "0"])
+def test_a_polling_thread_is_served_while_another_thread_drives(tmp_path, cycle):
+    """One thread keeps running the engine's rounds (back-to-back synchronous ops) while another only
+    enqueues and polls.  The engine thread goes back to sleep while a caller drives (``queue.park``), and the
+    driving caller wakes it after releasing the lock when entries are left: an entry queued at the end of a
+    drive must not wait for the next keep-alive (1 s) -- every polled op completes within a fraction of it."""
+    body = """
+        hvd.init()
+        n, r = hvd.size(), hvd.rank()
+        errors = []
+
+        def driver():
+            try:
+                for i in range(1500):
+                    out = hvd.allreduce(np.full(10, 1.0, np.float32), op=hvd.Sum, name=f"d.{i % 50}")
+                    assert out[0] == n, out
+            except BaseException as e:  # noqa: BLE001 - reported below
+                errors.append(repr(e))
+
+        th = threading.Thread(target=driver)
+        th.start()
+        lat = []
+        for k in range(300):
+            h = hvd.allreduce_async(np.full(5, float(k), np.float32), op=hvd.Sum, name=f"p.{k % 20}")
+            t = time.monotonic()
+            while not hvd.poll(h) and time.monotonic() - t < 30:
+                time.sleep(0.0002)
+            lat.append(time.monotonic() - t)
+            if hvd.synchronize(h)[0] != n * k:
+                errors.append(f"op {k}")
+            time.sleep(0.001 * (k % 3))
+        th.join(60)
+        report(errors=errors, alive=th.is_alive(), worst=max(lat))
+    """
+    code, out, reports = _run(tmp_path, 3, body, timeout=120.0, HOROVOD_CYCLE_TIME=cycle)
+    assert code == 0, out
+    for r in range(3):
+        assert reports[r]["errors"] == [] and not reports[r]["alive"], (r, reports[r])
+        assert reports[r]["worst"] < 0.5, (r, reports[r])

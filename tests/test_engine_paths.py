@@ -267,47 +267,65 @@ def test_control_frames_never_wait_for_a_rank_inside_a_collective(tmp_path, np_)
         assert reports[r]["elapsed"] < 20, reports[r]
 
 
+_BUSY_RANK_BODY = """
+    hvd.init()
+    n, r = hvd.size(), hvd.rank()
+    pids = hvd.allgather_object(os.getpid())
+    xs = [np.full(4096, float(i + r), np.float32) for i in range(600)]
+    big = np.arange(1_000_000, dtype=np.float32) + r
+
+    def enqueue():
+        hs = []
+        for i, x in enumerate(xs):  # one at a time: each request leaves alone, its tensor inline
+            hs.append(hvd.allreduce_async(x, op=hvd.Sum, name=f"small.{i}"))
+            time.sleep(0.001)
+        return hs, hvd.allreduce_async(big, op=hvd.Sum, name="big")
+
+    if r == 1:
+        hs, hb = enqueue()
+        time.sleep(0.3)  # the last requests leave
+        os.kill(os.getpid(), signal.SIGSTOP)
+    else:
+        time.sleep(1.5)  # rank 1 is stopped: every answer to it stays unread
+        if r == 2 and RESUME:
+            threading.Timer(2.0, os.kill, (pids[1], signal.SIGCONT)).start()
+        hs, hb = enqueue()
+    start = time.monotonic()
+    try:
+        bad = [i for i, h in enumerate(hs) if not np.array_equal(hvd.synchronize(h),
+               np.full(4096, n * i + n * (n - 1) / 2, np.float32))]
+        ok_big = np.array_equal(hvd.synchronize(hb), np.arange(1_000_000, dtype=np.float64) * n + n * (n - 1) / 2)
+        report(bad=bad, ok_big=bool(ok_big), waited=time.monotonic() - start)
+    except Exception as e:  # noqa: BLE001 - reported, then the rank fails as a user's would
+        report(error=f"{type(e).__name__}: {e}", waited=time.monotonic() - start)
+        raise
+"""
+
+
 def test_rank_0_completes_its_answer_to_a_busy_rank_before_waiting_for_it(tmp_path):
     """Rank 0's answers to a rank that does not read (here: stopped for 2 s, as a rank busy in a long
     collective of other ranks would be) fill that rank's socket and the rest waits in rank 0's outbox.  If
     rank 0 then entered the next collective with that rank, the rank would never learn of it (rank 0
     flushes between collectives): rank 0 must first deliver the whole answer.  One tensor per request frame
     (``HOROVOD_CYCLE_TIME=0``), each 16 KiB travelling inline, makes ~10 MB of answers."""
-    body = """
-        hvd.init()
-        n, r = hvd.size(), hvd.rank()
-        pids = hvd.allgather_object(os.getpid())
-        xs = [np.full(4096, float(i + r), np.float32) for i in range(600)]
-        big = np.arange(1_000_000, dtype=np.float32) + r
-
-        def enqueue():
-            hs = []
-            for i, x in enumerate(xs):  # one at a time: each request leaves alone, its tensor inline
-                hs.append(hvd.allreduce_async(x, op=hvd.Sum, name=f"small.{i}"))
-                time.sleep(0.001)
-            return hs, hvd.allreduce_async(big, op=hvd.Sum, name="big")
-
-        if r == 1:
-            hs, hb = enqueue()
-            time.sleep(0.3)  # the last requests leave
-            os.kill(os.getpid(), signal.SIGSTOP)
-        else:
-            time.sleep(1.5)  # rank 1 is stopped: every answer to it stays unread
-            if r == 2:
-                threading.Timer(2.0, os.kill, (pids[1], signal.SIGCONT)).start()
-            hs, hb = enqueue()
-        start = time.monotonic()
-        bad = [i for i, h in enumerate(hs) if not np.array_equal(hvd.synchronize(h),
-               np.full(4096, n * i + n * (n - 1) / 2, np.float32))]
-        ok_big = np.array_equal(hvd.synchronize(hb), np.arange(1_000_000, dtype=np.float64) * n + n * (n - 1) / 2)
-        report(bad=bad, ok_big=bool(ok_big), waited=time.monotonic() - start)
-    """
-    code, out, reports = _run(tmp_path, 3, body, timeout=120.0, HOROVOD_CYCLE_TIME="0",
-                              HOROVOD_GLOO_TIMEOUT_SECONDS="15")
+    code, out, reports = _run(tmp_path, 3, "    RESUME = True\n" + _BUSY_RANK_BODY, timeout=120.0,
+                              HOROVOD_CYCLE_TIME="0", HOROVOD_GLOO_TIMEOUT_SECONDS="15")
     assert code == 0, out
     for r in range(3):
         assert reports[r]["bad"] == [] and reports[r]["ok_big"], (r, reports[r])
         assert reports[r]["waited"] < 12, reports[r]
+
+
+def test_a_rank_that_never_reads_its_answers_fails_the_job_in_seconds(tmp_path):
+    """The same rank stopped for good: rank 0 waits for it to take the answer frames at most the collective
+    timeout, then the job ends with a cause naming it on the other ranks (no hang, nothing left behind)."""
+    code, out, reports = _run(tmp_path, 3, "    RESUME = False\n" + _BUSY_RANK_BODY, timeout=120.0,
+                              HOROVOD_CYCLE_TIME="0", HOROVOD_GLOO_TIMEOUT_SECONDS="4")
+    assert code != 0
+    for r in (0, 2):
+        error = reports[r]["error"]
+        assert error.startswith("ShutdownError") and "rank 1" in error, (r, error)
+        assert reports[r]["waited"] < 15, reports[r]
 
 
 @pytest.mark.parametrize("cycle", ["1", "0"])

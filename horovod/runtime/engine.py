@@ -680,9 +680,10 @@ class Engine:
         between collectives: it would never join.  Blocking here is safe -- such a member reads again once
         the collectives before this one are done, and those need nothing from rank 0 (it ran its own)."""
         members = self.set_ranks(resp.process_set_id) or range(self.size)
-        left = self._outbox.drain(self._deadline or _NO_DEADLINE, peers={r for r in members if r != self.rank})
+        timeout = self._deadline or _NO_DEADLINE
+        left = self._outbox.drain(timeout, peers={r for r in members if r != self.rank})
         if left:
-            raise PeerFailure(left[0], f"did not read its control messages within {self._deadline:g} s")
+            raise PeerFailure(left[0], f"did not read its control messages within {timeout:g} s")
 
     def _record_cache(self, resp: Response, entries: list) -> None:
         """Remember the cache ids a response assigned (and how to rebuild a compact response of each)."""

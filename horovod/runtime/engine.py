@@ -42,7 +42,7 @@ from horovod.runtime.timeline import Timeline
 from horovod.transport.communicator import Communicator, PeerFailure
 from horovod.transport.local import SelfCommunicator
 from horovod.transport.outbox import Outbox
-from horovod.transport.wire import FrameReader
+from horovod.transport.wire import FrameReader, new_scratch
 
 __all__ = ["Engine", "Topology", "DUPLICATE_NAME_MESSAGE"]
 
@@ -157,8 +157,9 @@ class Engine:
         self._finished = False
         self._ctrl = select.epoll()
         self._channels: dict[int, FrameReader] = {}  # by file descriptor
+        scratch = new_scratch()  # one receive buffer: only the thread running a round reads
         for channel in (mesh.ctrl.values() if mesh is not None else ()):
-            self._channels[channel.fileno()] = FrameReader(channel)
+            self._channels[channel.fileno()] = FrameReader(channel, scratch=scratch)
             self._ctrl.register(channel.fileno(), select.EPOLLIN)
         self._ctrl_fd = self._ctrl.fileno()
         self._idle = select.epoll()

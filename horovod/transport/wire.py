@@ -42,7 +42,8 @@ from horovod.base.exceptions import WireError
 from horovod.transport.communicator import PeerFailure
 
 __all__ = ["Channel", "TlsChannel", "make_channel", "TruncatedFrame", "MAGIC", "VERSION", "HEADER", "MAX_FRAME",
-           "byte_view", "frame_parts", "FrameReader", "exchange", "Transfer"]
+           "byte_view", "frame_parts", "FrameReader", "new_scratch", "READ_CHUNK", "exchange",
+           "Transfer"]
 
 logger = logging.getLogger(__name__)
 
@@ -52,9 +53,9 @@ HEADER = struct.Struct("!2sBBI")
 MAX_FRAME = 256 * 1024 * 1024
 # Payloads up to this size are sent together with their header in one syscall.
 _SMALL = 64 * 1024
-# Bytes a FrameReader takes from the socket per call (many small control frames in one syscall; a larger
-# payload is received straight into its own buffer).
-_READ_CHUNK = 64 * 1024
+# Bytes a FrameReader takes from the socket per call: many small control frames, or one frame with 64 KiB of
+# inline tensors, in one syscall (a larger payload is received straight into its own buffer).
+READ_CHUNK = 256 * 1024
 _TIMEVAL = struct.Struct("ll")
 _WAITALL = socket.MSG_WAITALL
 _DONTWAIT = socket.MSG_DONTWAIT
@@ -398,6 +399,11 @@ class TlsChannel(Channel):
             return self.sock.pending()
 
 
+def new_scratch() -> memoryview:
+    """A receive buffer for :class:`FrameReader` (one per thread that reads; readers may share it)."""
+    return memoryview(bytearray(READ_CHUNK))
+
+
 class FrameReader:
     """The frames of one channel, read without ever waiting for the rest of a frame.
 
@@ -410,10 +416,12 @@ class FrameReader:
 
     __slots__ = ("channel", "_max", "_scratch", "_head", "_have", "_kind", "_payload", "_got", "_error")
 
-    def __init__(self, channel: Channel, max_len: int = MAX_FRAME) -> None:
+    def __init__(self, channel: Channel, max_len: int = MAX_FRAME, scratch: memoryview | None = None) -> None:
+        """``scratch``: a buffer of at least :data:`READ_CHUNK` bytes that readers used by one thread at a time
+        may share (what is left in it between calls is copied out)."""
         self.channel = channel
         self._max = max_len
-        self._scratch = memoryview(bytearray(_READ_CHUNK))
+        self._scratch = scratch if scratch is not None else new_scratch()
         self._head = bytearray(HEADER.size)
         self._have = 0  # header bytes held
         self._kind = 0
@@ -433,7 +441,7 @@ class FrameReader:
         try:
             while True:
                 payload = self._payload
-                if payload is not None and len(payload) - self._got >= _READ_CHUNK:
+                if payload is not None and len(payload) - self._got >= READ_CHUNK:
                     k = channel.try_recv_into(memoryview(payload)[self._got:], len(payload) - self._got)
                     if k:
                         self._got += k
@@ -442,10 +450,10 @@ class FrameReader:
                             self._payload = None
                         continue
                 else:
-                    k = channel.try_recv_into(self._scratch, _READ_CHUNK)
+                    k = channel.try_recv_into(self._scratch, READ_CHUNK)
                     if k:
                         self._feed(self._scratch[:k], frames)
-                        if k == _READ_CHUNK or channel.pending():
+                        if k == READ_CHUNK or channel.pending():
                             continue
                         return frames
                 if k is None:

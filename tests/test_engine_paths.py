@@ -6,7 +6,9 @@
 * a waiting caller runs the engine's rounds itself: an exception from a signal handler while it sleeps leaves
   the engine intact, one that cuts a round short ends the job with that cause (never a hang);
 * threads that enqueue and wait at the same time (some driving, some waiting for the engine thread) all get
-  their own, correct results.
+  their own, correct results, and a thread that only polls is served while another drives;
+* control frames never deadlock a collective: neither a rank blocked sending to a rank 0 that waits for it,
+  nor a rank that missed the tail of rank 0's answer; a rank that never reads fails the job in seconds.
 """
 
 from __future__ import annotations

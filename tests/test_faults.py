@@ -100,12 +100,10 @@ def test_stalled_rank_is_reported_and_shuts_the_job_down(tmp_path):
     assert "Missing ranks:" in out and "stalled.tensor" in out
 
 
-def test_killed_rank_fails_the_others_quickly(tmp_path):
-    body = """
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # outlive the launcher's SIGTERM to report
-        hvd.init()
-        for i in range(3):
-            hvd.allreduce(np.ones(100_000, np.float32), name=f"warmup.{i}")
+def _kill_rank_1_then(attempt: str, extra: str = "") -> str:
+    """The end of a job body: rank 1 is SIGKILLed after a barrier, the others time ``attempt`` (one line) and
+    report its error, then exit non-zero.  Follows a dedented body."""
+    return textwrap.dedent(f"""\
         if hvd.rank() == 1:
             hvd.barrier()
             time.sleep(0.5)
@@ -113,12 +111,21 @@ def test_killed_rank_fails_the_others_quickly(tmp_path):
         hvd.barrier()
         t0 = time.monotonic()
         try:
-            hvd.allreduce(np.ones(100_000, np.float32), name="after.kill")
+            {attempt}
             report(ok=True)
         except Exception as e:
-            report(error=str(e), type=type(e).__name__, elapsed=time.monotonic() - t0)
+            report(error=str(e), type=type(e).__name__, elapsed=time.monotonic() - t0, {extra})
         sys.exit(1)
-    """
+    """)
+
+
+def test_killed_rank_fails_the_others_quickly(tmp_path):
+    body = textwrap.dedent("""
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # outlive the launcher's SIGTERM to report
+        hvd.init()
+        for i in range(3):
+            hvd.allreduce(np.ones(100_000, np.float32), name=f"warmup.{i}")
+    """) + _kill_rank_1_then("hvd.allreduce(np.ones(100_000, np.float32), name='after.kill')")
     code, out = _run(tmp_path, 3, body)
     assert code != 0
     reports = _reports(tmp_path, 3)
@@ -133,7 +140,7 @@ def test_killed_rank_fails_a_tensorflow_training_step_quickly(tmp_path):
     """``tf.function`` + ``DistributedGradientTape`` over 120 gradient tensors (small ones concatenated in the
     graph, large ones read in place, requests sent by the submit op itself): when a rank is killed between
     steps, the next step fails on the others within seconds with the shutdown error, and nothing is left."""
-    body = """
+    body = textwrap.dedent("""
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # outlive the launcher's SIGTERM to report
         os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"
         import tensorflow as tf
@@ -155,20 +162,7 @@ def test_killed_rank_fails_a_tensorflow_training_step_quickly(tmp_path):
         # the averaged gradient of 2 * (rank + 1) * v: (size + 1) * v on every rank
         expected = (hvd.size() + 1) * float(variables[1][0, 0].numpy())
         got = float(step().numpy())
-        if hvd.rank() == 1:
-            hvd.barrier()
-            time.sleep(0.5)
-            os.kill(os.getpid(), signal.SIGKILL)
-        hvd.barrier()
-        t0 = time.monotonic()
-        try:
-            for _ in range(3):
-                step()
-            report(ok=True)
-        except Exception as e:
-            report(error=str(e), type=type(e).__name__, elapsed=time.monotonic() - t0, got=got, expected=expected)
-        sys.exit(1)
-    """
+    """) + _kill_rank_1_then("[step() for _ in range(3)]", "got=got, expected=expected")
     code, out = _run(tmp_path, 3, body, timeout=180.0, OMP_NUM_THREADS="1")
     assert code != 0
     reports = _reports(tmp_path, 3)

@@ -269,6 +269,52 @@ def test_control_frames_never_wait_for_a_rank_inside_a_collective(tmp_path, np_)
         assert reports[r]["elapsed"] < 20, reports[r]
 
 
+@pytest.mark.parametrize("np_", [2, 3, 4])
+def test_repeated_steps_batched_alike_or_not_give_every_rank_the_right_sums(tmp_path, np_):
+    """A step that repeats the last one, batched alike on every rank, is replayed by the coordinator as a
+    whole; batched differently (a rank pauses among its enqueues: its batch splits), its tensors go the
+    general way, and a replay some ranks sent waits for the others without a hang.  Small tensors travel
+    inline, bigger ones through the data plane, and a process set of all ranks but the last replays too."""
+    body = """
+        from horovod.common.basics import engine
+        hvd.init()
+        n, r = hvd.size(), hvd.rank()
+        sub = hvd.add_process_set(list(range(n - 1))) if n > 2 else None
+        rng = np.random.default_rng(r)
+        sizes = [64 if i % 3 else 20_000 for i in range(40)]
+        bad, replays = [], 0
+        for step in range(40):
+            pause = step % 4 == 3 and rng.random() < 0.7  # some steps: this rank splits its batch
+            xs = [np.arange(k, dtype=np.float32) + (r + 1) * (step + i) for i, k in enumerate(sizes)]
+            hs = []
+            for i, x in enumerate(xs):
+                hs.append(hvd.allreduce_async(x, op=hvd.Sum, name=f"rep.{i}"))
+                if pause and i == int(rng.integers(1, 39)):
+                    time.sleep(0.01)
+            sh = None
+            if sub is not None and r in sub.ranks:
+                sh = hvd.allreduce_async(np.full(5, float(r + step), np.float32), op=hvd.Sum, name="sub",
+                                         process_set=sub)
+            for i, h in enumerate(hs):
+                want = np.arange(sizes[i], dtype=np.float64) * n + n * (n + 1) / 2 * (step + i)
+                if not np.array_equal(hvd.synchronize(h), want.astype(np.float32)):
+                    bad.append((step, i))
+            if sh is not None and not np.array_equal(hvd.synchronize(sh), np.full(
+                    5, sum(q + step for q in sub.ranks), np.float32)):
+                bad.append((step, "sub"))
+        if r == 0:
+            replays = len(engine().coordinator._replays)
+        hvd.barrier()
+        report(bad=bad, replays=replays)
+    """
+    code, out, reports = _run(tmp_path, np_, body, timeout=120.0, HOROVOD_GLOO_TIMEOUT_SECONDS="20",
+                              HOROVOD_DYNAMIC_PROCESS_SETS="1")
+    assert code == 0, out
+    for r in range(np_):
+        assert reports[r]["bad"] == [], (r, reports[r]["bad"][:5])
+    assert reports[0]["replays"] >= 1, reports[0]
+
+
 _BUSY_RANK_BODY = """
     hvd.init()
     n, r = hvd.size(), hvd.rank()

@@ -629,3 +629,168 @@ def test_inline_only_when_every_contributor_sent_its_bytes():
     c.submit(1, 0, None, [ar("half")], [])  # rank 1 ran out of inline budget: the data plane reduces it
     [resp] = responses(c.take_responses(), 0)
     assert resp.data is None and resp.names == ["half"]
+
+
+# ------------------------------------------------------------------------------------------------ replay
+def _step_batches(c, ranks, data, ids, split=None):
+    """Every rank submits this step's hits (inline bytes for the float32 tensors of ``data``); ``split``
+    maps a rank to the index at which it splits its batch in two."""
+    for r in ranks:
+        hits_r = [(0, cid, i if i < len(data[r]) else -1) for i, cid in enumerate(ids)]
+        blobs = [a.reshape(-1) for a in data[r]]
+        cut = (split or {}).get(r)
+        if cut is None:
+            c.submit(r, 1, None, [], hits_r, blobs)
+        else:
+            c.submit(r, 1, None, [], hits_r[:cut], blobs)
+            c.submit(r, 1, None, [], [(ps, cid, -1 if b < 0 else b - cut) for ps, cid, b in hits_r[cut:]],
+                     blobs[cut:])
+
+
+def _repeatable(size=3, inline=3, plane=5, threshold=1 << 20):
+    """A coordinator that answered a first step of ``inline`` small tensors sent with their bytes and
+    ``plane`` data-plane tensors: returns it, the cache ids in submission order and the first responses."""
+    c = make(size=size, threshold=threshold)
+    rng = np.random.default_rng(0)
+    reqs = []
+    for i in range(inline + plane):
+        req = ar(f"t{i}", shape=(i % 3 + 1, 2))
+        req.inline = i if i < inline else -1
+        reqs.append(req)
+    for r in range(size):
+        blobs = [rng.standard_normal(q.shape).astype(np.float32).reshape(-1) for q in reqs[:inline]]
+        c.submit(r, 0, None, [dataclasses.replace(q) for q in reqs], [], blobs)
+    first = responses(c.take_responses(), 0)
+    by_name = {n: cid for resp in first for n, cid in zip(resp.names, resp.cache_ids)}
+    return c, [by_name[q.name] for q in reqs], first
+
+
+def _check_step(out, size, data, ids):
+    """Every rank got every tensor once, as compact responses naming the cached ids, and the inline results
+    are the sums of this step's bytes."""
+    for r in range(size):
+        got = responses(out, r)
+        assert sorted(cid for resp in got for cid in resp.cached_ids) == sorted(ids)
+        inline = [resp for resp in got if resp.data is not None]
+        assert len(inline) == 1
+        expected = np.concatenate([sum(data[q][i] for q in range(size)) for i in range(len(data[0]))], axis=None)
+        np.testing.assert_allclose(np.asarray(inline[0].data).reshape(-1), expected, rtol=1e-6)
+        assert inline[0].names == [f"t{i}" for i in range(len(data[0]))]
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_a_repeated_batch_is_replayed_with_this_steps_bytes(size):
+    c, ids, _ = _repeatable(size=size)
+    rng = np.random.default_rng(1)
+    general = None
+    for step in range(5):
+        data = {r: [rng.standard_normal((i % 3 + 1, 2)).astype(np.float32) for i in range(3)] for r in range(size)}
+        _step_batches(c, list(range(size))[::-1] if step % 2 else range(size), data, ids)
+        out = c.take_responses()
+        _check_step(out, size, data, ids)
+        shape = [(tuple(r.names), r.shapes, r.cached_ids, r.cache_ids) for r in responses(out, 1)]
+        general = general or shape  # the first repeat goes through the general path: the reference
+        assert shape == general
+    assert len(c._replays) == 1 and c._parked is None  # the later steps were replays
+
+
+def test_batches_split_differently_across_ranks_still_complete():
+    c, ids, _ = _repeatable(size=3)
+    rng = np.random.default_rng(2)
+    splits = [None, None, {1: 4}, None, {0: 2, 2: 6}, {2: 1}, None]
+    for step, split in enumerate(splits):
+        data = {r: [rng.standard_normal((i % 3 + 1, 2)).astype(np.float32) for i in range(3)] for r in range(3)}
+        _step_batches(c, [2, 0, 1] if step % 2 else [0, 1, 2], data, ids, split)
+        out = c.take_responses()
+        for r in range(3):
+            got = responses(out, r)
+            assert sorted(n for resp in got for n in resp.names) == sorted(f"t{i}" for i in range(8)), (step, r)
+            inline = np.concatenate([np.asarray(resp.data).reshape(-1) for resp in got if resp.data is not None])
+            by_name = [n for resp in got if resp.data is not None for n in resp.names]
+            expected = {f"t{i}": sum(data[q][i] for q in range(3)).reshape(-1) for i in range(3)}
+            np.testing.assert_allclose(inline, np.concatenate([expected[n] for n in by_name]), rtol=1e-6)
+        assert not any(s.pending for s in c.sets.values()) and c._parked is None
+
+
+def test_a_rank_missing_from_a_replay_is_waited_on_and_named_by_the_stall_inspector(caplog):
+    c, ids, _ = _repeatable(size=3)
+    data = {r: [np.ones((i % 3 + 1, 2), np.float32) for i in range(3)] for r in range(3)}
+    for _ in range(2):
+        _step_batches(c, range(3), data, ids)
+        c.take_responses()
+    t0 = time.monotonic()
+    _step_batches(c, [0, 2], data, ids)
+    assert c._parked is not None and c.take_responses() == {}
+    assert c.waiting_on() == {1}
+    with caplog.at_level(logging.WARNING, logger="horovod.runtime.coordinator"):
+        c.check_stalls(now=t0 + c.stall_warning + 1)
+    [msg] = [r.getMessage() for r in caplog.records if "Missing ranks" in r.getMessage()]
+    assert "1: [t0, t1, t2, t3, t4, t5] ..." in msg and "0:" not in msg.split("Missing ranks:")[1]
+    _step_batches(c, [1], data, ids)  # the late rank completes the step through the general path
+    _check_step(c.take_responses(), 3, data, ids)
+
+
+def test_changed_parameters_while_a_replay_waits_are_a_mismatch_for_that_tensor_only():
+    c, ids, _ = _repeatable(size=2, inline=0, plane=4)
+    for _ in range(2):
+        _step_batches(c, range(2), {0: [], 1: []}, ids)
+        c.take_responses()
+    _step_batches(c, [0], {0: [], 1: []}, ids)
+    assert c._parked is not None
+    c.submit(1, 1, None, [ar("t1", shape=(9,))], [(0, cid, -1) for i, cid in enumerate(ids) if i != 1])
+    out = responses(c.take_responses(), 1)
+    [error] = [r for r in out if r.type == RequestType.ERROR]
+    assert error.names == ["t1"] and "Mismatched ALLREDUCE tensor shapes" in error.error
+    assert sorted(n for r in out if r.type == RequestType.ALLREDUCE for n in r.names) == ["t0", "t2", "t3"]
+    assert not c.sets[0].pending and c._parked is None and not c._replays
+
+
+def test_a_join_while_a_replay_waits_releases_it():
+    c, ids, _ = _repeatable(size=2, inline=0, plane=3)
+    for _ in range(2):
+        _step_batches(c, range(2), {0: [], 1: []}, ids)
+        c.take_responses()
+    _step_batches(c, [0], {0: [], 1: []}, ids)
+    c.submit(1, 1, None, [join_req()], [])
+    out = responses(c.take_responses(), 0)
+    assert sorted(n for r in out for n in r.names) == ["t0", "t1", "t2"]
+
+
+def test_wrong_inline_size_in_a_repeated_batch_is_a_protocol_error():
+    c, ids, _ = _repeatable(size=2)
+    data = {r: [np.ones((i % 3 + 1, 2), np.float32) for i in range(3)] for r in range(2)}
+    for _ in range(2):
+        _step_batches(c, range(2), data, ids)
+        c.take_responses()
+    bad = {0: data[0], 1: [data[1][0], np.ones(5, np.float32), data[1][2]]}
+    _step_batches(c, range(2), bad, ids)
+    assert c.shutdown_reason == "protocol error: rank 1 sent a tensor of the wrong size"
+
+
+def test_a_new_fusion_threshold_refuses_the_replay_built_under_the_old_one():
+    c, ids, _ = _repeatable(size=2, inline=0, plane=6)
+    for _ in range(3):
+        _step_batches(c, range(2), {0: [], 1: []}, ids)
+        [resp] = responses(c.take_responses(), 0)
+        assert len(resp.names) == 6
+    c.fusion_threshold = 2 * 6 * 4  # two (3, 2) float32 tensors: the six no longer fit one response
+    for _ in range(3):
+        _step_batches(c, range(2), {0: [], 1: []}, ids)
+        out = responses(c.take_responses(), 0)
+        assert len(out) > 1 and all(r.nbytes() <= c.fusion_threshold for r in out)
+        assert sorted(n for r in out for n in r.names) == [f"t{i}" for i in range(6)]
+
+
+def test_a_replay_in_a_process_set_of_some_ranks():
+    c = make(size=3, sets={0: [0, 1, 2], 1: [0, 2]})
+    reqs = [ar(f"s{i}", ps=1) for i in range(4)]
+    for r in (0, 2):
+        c.submit(r, 0, None, [dataclasses.replace(q) for q in reqs], [])
+    [first] = responses(c.take_responses(), 0)
+    for _ in range(3):
+        for r in (2, 0):
+            c.submit(r, 1, None, [], [(1, cid, -1) for cid in first.cache_ids])
+        out = c.take_responses()
+        assert sorted(out) == [0, 2]
+        assert [r.cached_ids for r in responses(out, 2)] == [first.cache_ids]
+    assert len(c._replays) == 1

@@ -730,12 +730,18 @@ def test_a_rank_missing_from_a_replay_is_waited_on_and_named_by_the_stall_inspec
     _check_step(c.take_responses(), 3, data, ids)
 
 
-def test_changed_parameters_while_a_replay_waits_are_a_mismatch_for_that_tensor_only():
-    c, ids, _ = _repeatable(size=2, inline=0, plane=4)
+def _replay_waiting_for_rank_1(plane: int):
+    """Two ranks, ``plane`` tensors: two repeated steps (a replay exists), then rank 0 alone sends the batch."""
+    c, ids, _ = _repeatable(size=2, inline=0, plane=plane)
     for _ in range(2):
         _step_batches(c, range(2), {0: [], 1: []}, ids)
         c.take_responses()
     _step_batches(c, [0], {0: [], 1: []}, ids)
+    return c, ids
+
+
+def test_changed_parameters_while_a_replay_waits_are_a_mismatch_for_that_tensor_only():
+    c, ids = _replay_waiting_for_rank_1(plane=4)
     assert c._parked is not None
     c.submit(1, 1, None, [ar("t1", shape=(9,))], [(0, cid, -1) for i, cid in enumerate(ids) if i != 1])
     out = responses(c.take_responses(), 1)
@@ -746,11 +752,7 @@ def test_changed_parameters_while_a_replay_waits_are_a_mismatch_for_that_tensor_
 
 
 def test_a_join_while_a_replay_waits_releases_it():
-    c, ids, _ = _repeatable(size=2, inline=0, plane=3)
-    for _ in range(2):
-        _step_batches(c, range(2), {0: [], 1: []}, ids)
-        c.take_responses()
-    _step_batches(c, [0], {0: [], 1: []}, ids)
+    c, ids = _replay_waiting_for_rank_1(plane=3)
     c.submit(1, 1, None, [join_req()], [])
     out = responses(c.take_responses(), 0)
     assert sorted(n for r in out for n in r.names) == ["t0", "t1", "t2"]

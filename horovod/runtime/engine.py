@@ -573,7 +573,7 @@ class Engine:
         full: list[Request] = []
         cached: list[tuple[int, int, int]] = []
         blobs: list = []
-        inline_budget = _INLINE_BYTES if self.size > 1 else 0
+        inline_budget = _inline_budget(new) if self.size > 1 else 0
         cache_get = self._cache.get
         for e in new:
             req = e.request
@@ -982,6 +982,21 @@ class Engine:
         if self._tuner is not None:
             self._tuner.close()
         self.queue.close()
+
+
+def _inline_budget(batch: list) -> int:
+    """How many bytes of a batch's allreduces travel inside the request: all of them when they fit
+    ``_INLINE_BYTES``, else none.  A batch with more joins them into the fused data-plane allreduce of the
+    rest at almost no cost, where inline ones would cost rank 0 a reduction and their bytes a trip each way
+    through the control plane (~0.1 ms per step of 100 x 16 KiB tensors)."""
+    total = 0
+    for e in batch:
+        req = e.request
+        if req.type == RequestType.ALLREDUCE and req.device < 0:
+            total += e.tensor.nbytes
+            if total > _INLINE_BYTES:
+                return 0
+    return _INLINE_BYTES
 
 
 def liveness_deadline(config: RuntimeConfig) -> tuple[float | None, str]:

@@ -479,7 +479,9 @@ class Coordinator:
             return
         if self._replays:
             self._forget_replays()
-        entry = state.cache.pop(cid)
+        entry = state.cache.pop(cid, None)
+        if entry is None:  # evicted meanwhile (the waiting replay's hits went the general way)
+            return
         if state.cache_by_name.get(entry.name) == cid:
             del state.cache_by_name[entry.name]
         notice_seq = {}

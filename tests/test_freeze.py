@@ -177,11 +177,13 @@ def _culprits(text: str) -> set[int]:
     return {int(m.group(1)) for pattern in _BLAME for m in pattern.finditer(text)}
 
 
-@pytest.mark.parametrize("np_", [2, 3])
-@pytest.mark.parametrize("case", sorted(_CASES))
+# A rank stopped inside a collective at both sizes (a 2-member exchange and a 3-member ring differ); the idle,
+# negotiating and timer cases at 3 ranks only, where two live ranks must each name the stopped one.
+_SIZES = [(case, np_) for case in sorted(_CASES) for np_ in ((2, 3) if "mid" in case else (3,))]
+
+
+@pytest.mark.parametrize(("case", "np_"), _SIZES, ids=[f"{case}-{np_}" for case, np_ in _SIZES])
 def test_stopped_rank_is_named_on_every_live_rank(tmp_path, case, np_):
-    if case == "timer_tcp" and np_ == 2:
-        pytest.skip("one size is enough for the timer variant")
     which, body = _CASES[case]
     victim = {"0": 0, "1": 1, "last": np_ - 1}[which]
     script = tmp_path / "job.py"

@@ -281,7 +281,7 @@ def test_repeated_steps_batched_alike_or_not_give_every_rank_the_right_sums(tmp_
         n, r = hvd.size(), hvd.rank()
         sub = hvd.add_process_set(list(range(n - 1))) if n > 2 else None
         rng = np.random.default_rng(r)
-        sizes = [64 if i % 3 else 20_000 for i in range(40)]
+        sizes = [64 if i % 3 else 20_000 for i in range(160)]  # a real model's count of parameter tensors
         bad, replays = [], 0
         for step in range(40):
             pause = step % 4 == 3 and rng.random() < 0.7  # some steps: this rank splits its batch
@@ -289,7 +289,7 @@ def test_repeated_steps_batched_alike_or_not_give_every_rank_the_right_sums(tmp_
             hs = []
             for i, x in enumerate(xs):
                 hs.append(hvd.allreduce_async(x, op=hvd.Sum, name=f"rep.{i}"))
-                if pause and i == int(rng.integers(1, 39)):
+                if pause and i == int(rng.integers(1, 159)):
                     time.sleep(0.01)
             sh = None
             if sub is not None and r in sub.ranks:

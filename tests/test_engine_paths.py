@@ -8,7 +8,9 @@
 * threads that enqueue and wait at the same time (some driving, some waiting for the engine thread) all get
   their own, correct results, and a thread that only polls is served while another drives;
 * control frames never deadlock a collective: neither a rank blocked sending to a rank 0 that waits for it,
-  nor a rank that missed the tail of rank 0's answer; a rank that never reads fails the job in seconds.
+  nor a rank that missed the tail of rank 0's answer; a rank that never reads fails the job in seconds;
+* repeated steps are right whether the coordinator replays them whole (batched alike on every rank) or some
+  rank splits its batch (the general path), at np=2/3/4.
 """
 
 from __future__ import annotations

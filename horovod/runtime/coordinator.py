@@ -118,6 +118,12 @@ class _Replay:
         self.since = 0.0
 
 
+def _compact(r: Response, cache_ids: list[int], cached_ids: list[int]) -> Response:
+    """A new response of ``r``'s kind, names and shapes that travels as ``cached_ids`` (no data, no error)."""
+    return Response(r.type, r.process_set_id, r.names, r.dtype, r.shapes, r.root_rank, r.reduce_op, r.prescale,
+                    r.postscale, r.rank_dims, r.splits, cache_ids=cache_ids, cached_ids=cached_ids)
+
+
 def _fusion_key(resp: Response) -> tuple:
     return (resp.type, resp.process_set_id, resp.dtype, resp.reduce_op, resp.prescale, resp.postscale)
 
@@ -341,9 +347,7 @@ class Coordinator:
             move_to_end(cid)
         out = self._replayed
         for t, inline in replay.templates:
-            response = Response(t.type, t.process_set_id, t.names, t.dtype, t.shapes, t.root_rank, t.reduce_op,
-                                t.prescale, t.postscale, t.rank_dims, t.splits, cache_ids=t.cache_ids,
-                                cached_ids=t.cached_ids)
+            response = _compact(t, t.cache_ids, t.cached_ids)
             if inline is not None:
                 self._reduce_inline(response, [(None, None, cid, {r: blobs[blob] for r, blobs in arrived.items()})
                                                for cid, blob in inline])
@@ -593,10 +597,7 @@ class Coordinator:
             response, entry, cid, data = item
             if entry is not None:
                 if not entry.fusable:  # a cached broadcast, allgather...: alone, still compact
-                    r = entry.response
-                    order.append(Response(r.type, r.process_set_id, r.names, r.dtype, r.shapes, r.root_rank,
-                                          r.reduce_op, r.prescale, r.postscale, r.rank_dims, r.splits,
-                                          cache_ids=[-2], cached_ids=[cid]))
+                    order.append(_compact(entry.response, [-2], [cid]))
                     continue
                 key = entry.key if data is None else entry.key_inline
                 nbytes = entry.nbytes

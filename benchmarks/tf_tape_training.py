@@ -11,10 +11,14 @@ single processes run at the same time**.  The ratio is
 (paired mode: each rank's median plain step is one of the two processes; they often differ by 5-20% on a
 shared VM, and the np=2 step cannot be shorter than the slower one's).
 
-Default (paired): one ``horovodrun -np 2`` launch in which every rank holds two copies of the model and
+Default (paired): one ``horovodrun -np 2`` launch in which every rank holds three copies of the model and
 alternates blocks of ``--block`` steps: a plain ``tf.function`` step that never talks to the other rank
-(both ranks run it at the same time: the two independent processes) and the same step with
-``DistributedGradientTape``.  Load from other jobs on a shared host hits both alike.  ``--separate``
+(both ranks run it at the same time: the two independent processes), the same step with
+``DistributedGradientTape``, and the plain step followed by a one-float allreduce before the update
+(synchronous training whose gradient allreduce costs nothing: what any data-parallel step can reach on this
+host, given that the ranks wait for the slower one).  Load from other jobs on a shared host hits all alike.
+It also prints the minor page faults per step: glibc sometimes hands the top of its heap back to the system
+after a step and faults it in again on the next (a tenth of the CPU when it does), whichever step it is.  ``--separate``
 instead launches, per round, two plain ``python`` processes side by side and then ``horovodrun -np 2``
 (whole processes, as a user would run them, but a minute apart: on a busy host rounds differ by 3x).
 
@@ -27,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -56,8 +61,12 @@ def worker(args: argparse.Namespace) -> None:
     x = tf.constant(rng.normal(size=(args.batch, 32, 32, 3)).astype(np.float32))
     y = tf.constant(rng.integers(0, 10, size=args.batch))
 
-    def make_step(distributed: bool):
-        """A compiled training step of a fresh model (its variables broadcast when distributed)."""
+    def make_step(mode: str):
+        """A compiled training step of a fresh model (its variables broadcast when it talks to the other rank).
+
+        ``local``: never talks; ``dist``: ``DistributedGradientTape``; ``sync``: local gradients, then a one-float
+        allreduce before they are applied -- synchronous training with a gradient allreduce that costs nothing,
+        the best any data-parallel step can do on this host."""
         model = keras.applications.MobileNetV2(weights=None, input_shape=(32, 32, 3), classes=10)
         opt = keras.optimizers.SGD(0.01)
 
@@ -65,14 +74,19 @@ def worker(args: argparse.Namespace) -> None:
         def train_step() -> tf.Tensor:
             with tf.GradientTape() as tape:
                 loss = loss_fn(y, model(x, training=True))
-            if distributed:
+            if mode == "dist":
                 tape = hvd.DistributedGradientTape(tape)
             grads = tape.gradient(loss, model.trainable_variables)
+            if mode == "sync":
+                with tf.control_dependencies(grads):
+                    done = hvd.allreduce(tf.zeros([1]), name="bench.lockstep")
+                with tf.control_dependencies([done]):
+                    grads = [tf.identity(g) for g in grads]
             opt.apply_gradients(zip(grads, model.trainable_variables))
             return loss
 
         train_step()  # builds the optimizer's variables before they are broadcast
-        if distributed:
+        if mode != "local":
             hvd.broadcast_variables(model.variables, root_rank=0)
             hvd.broadcast_variables(opt.variables, root_rank=0)
         return train_step, model
@@ -89,20 +103,24 @@ def worker(args: argparse.Namespace) -> None:
         return times
 
     if args.paired:
-        local, model = make_step(False)
-        dist, _ = make_step(True)
-        times: dict[str, list[float]] = {"local": [], "dist": []}
-        cpus: dict[str, list[float]] = {"local": [], "dist": []}
-        timed(local, args.warmup)
-        timed(dist, args.warmup)
+        steps = {key: make_step(key) for key in ("local", "sync", "dist")}
+        model = steps["local"][1]
+        times: dict[str, list[float]] = {key: [] for key in steps}
+        cpus: dict[str, list[float]] = {key: [] for key in steps}
+        faults = dict.fromkeys(steps, 0)  # minor page faults: glibc handing memory back and taking it again
+        for step, _ in steps.values():
+            timed(step, args.warmup)
         for _ in range(args.rounds):
-            for key, step in (("local", local), ("dist", dist)):
+            for key, (step, _) in steps.items():
                 hvd.allreduce(tf.zeros(1), name="bench.sync")  # every block starts together on both ranks
                 cpu.clear()
+                faults_before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
                 times[key] += timed(step, args.block)
+                faults[key] += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults_before
                 cpus[key] += cpu
         mine = [statistics.median(times["local"]), statistics.median(times["dist"]),
-                statistics.median(cpus["local"]), statistics.median(cpus["dist"])]
+                statistics.median(cpus["local"]), statistics.median(cpus["dist"]), statistics.median(times["sync"]),
+                faults["local"] / len(times["local"]), faults["dist"] / len(times["dist"])]
         every = hvd.allgather(tf.constant([mine], tf.float64), name="bench.medians").numpy()  # one row per rank
         # The i-th plain steps of both ranks ran at about the same time: had they waited for each other (with
         # a free allreduce), each would have taken the longer of the two.
@@ -110,11 +128,13 @@ def worker(args: argparse.Namespace) -> None:
         if rank == 0:
             print(RESULT + json.dumps({"local_step_s": every[:, 0].tolist(), "dist_step_s": every[:, 1].tolist(),
                                        "lockstep_s": statistics.median(plain.max(axis=0).tolist()),
+                                       "sync_step_s": every[:, 4].tolist(),
+                                       "local_faults": every[:, 5].tolist(), "dist_faults": every[:, 6].tolist(),
                                        "local_cpu_s": every[0, 2], "dist_cpu_s": every[0, 3],
                                        "tensors": len(model.trainable_variables), "params": model.count_params(),
                                        "load": os.getloadavg()[0]}), flush=True)
         return
-    step, model = make_step(args.horovod)
+    step, model = make_step("dist" if args.horovod else "local")
     times_ = timed(step, args.warmup + args.steps)[args.warmup:]
     if not args.horovod or rank == 0:
         print(RESULT + json.dumps({"step_s": statistics.median(times_), "tensors": len(model.trainable_variables),
@@ -165,6 +185,7 @@ def paired(args: argparse.Namespace) -> None:
     bound = sum(args.batch / s for s in r["local_step_s"])
     np2 = sum(args.batch / s for s in r["dist_step_s"])
     lockstep = 2 * args.batch / r["lockstep_s"]
+    sync = sum(args.batch / s for s in r["sync_step_s"])
 
     def ms(steps: list[float]) -> str:
         return " / ".join(f"{s * 1e3:.1f}" for s in steps)
@@ -175,12 +196,18 @@ def paired(args: argparse.Namespace) -> None:
           f"CPU {r['local_cpu_s'] * 1e3:.1f} ms/step on rank 0)")
     print(f"horovodrun -np 2:                {np2:.1f} samples/s ({ms(r['dist_step_s'])} ms/step, "
           f"CPU {r['dist_cpu_s'] * 1e3:.1f} ms/step on rank 0)")
-    print(f"np=2 / two concurrent single processes: {np2 / bound:.3f}  (waiting for the slower rank alone, "
-          f"with a free allreduce: {lockstep / bound:.3f})")
+    print(f"local gradients + one-float allreduce: {sync:.1f} samples/s ({ms(r['sync_step_s'])} ms/step)")
+    print("page faults per step, plain / np=2: " + ", ".join(
+        f"rank {i} {a:.0f} / {b:.0f}" for i, (a, b) in enumerate(zip(r["local_faults"], r["dist_faults"]))))
+    print(f"np=2 / two concurrent single processes: {np2 / bound:.3f}  (synchronous with a free gradient "
+          f"allreduce: {sync / bound:.3f}; the i-th plain steps' longer one: {lockstep / bound:.3f}; "
+          f"np=2 / synchronous bound: {np2 / sync:.3f})")
     print(json.dumps({"benchmark": "tf_tape_training", "mode": "paired", "batch": args.batch, "ratio": np2 / bound,
-                      "lockstep_ratio": lockstep / bound, "bound_samples_per_s": bound, "np_samples_per_s": np2,
+                      "lockstep_ratio": lockstep / bound, "sync_ratio": sync / bound,
+                      "bound_samples_per_s": bound, "np_samples_per_s": np2,
                       "load": [load, r["load"]],
                       "local_cpu_ms": r["local_cpu_s"] * 1e3, "dist_cpu_ms": r["dist_cpu_s"] * 1e3,
+                      "local_faults": r["local_faults"], "dist_faults": r["dist_faults"],
                       "tensors": r["tensors"]}))
 
 

@@ -37,6 +37,28 @@ handle_average_backwards_compatibility = _ops.handle_average_backwards_compatibi
 # at every call at run time).
 _plain = tf.autograph.experimental.do_not_convert
 
+try:  # TensorFlow's own test of whether any gradient tape or forward accumulator is active
+    from tensorflow.python.eager.record import could_possibly_record as _could_record
+except ImportError:  # pragma: no cover - a TensorFlow without it: always wrap
+    def _could_record() -> bool:
+        return True
+
+
+def _as_tensor(x) -> tf.Tensor:
+    """``tf.convert_to_tensor``, skipped for a tensor (its dispatch costs ~20 us per eager call)."""
+    return x if isinstance(x, tf.Tensor) else tf.convert_to_tensor(x)
+
+
+def _differentiable(fwd):
+    """``tf.custom_gradient(fwd)``, except in eager mode while nothing records: there the wrapper inspects
+    ``fwd``'s signature and sets up variable watching on every call (about 0.3 ms, half of a small eager
+    collective) for a gradient nobody can ask for.  Traced functions pay it once, when traced."""
+    def call(*xs):
+        if tf.executing_eagerly() and not _could_record():
+            return fwd(*xs)[0]
+        return tf.custom_gradient(fwd)(*xs)  # (building the wrapper costs ~60 us: only when it is used)
+    return call
+
 
 def _normalize_name(name: str) -> str:
     """Upstream's normalisation: anything outside ``[a-zA-Z0-9_]`` becomes ``_``."""
@@ -71,7 +93,7 @@ def _set_rank(process_set: ProcessSet) -> int:
 def _grouped_allreduce_raw(tensors: Sequence[tf.Tensor], *, op: int, prescale_factor: float,
                            postscale_factor: float, name: str | None, process_set: ProcessSet,
                            grouped: bool) -> list[tf.Tensor]:
-    tensors = [tf.convert_to_tensor(t) for t in tensors]
+    tensors = [_as_tensor(t) for t in tensors]
     if _direct_path(tensors):
         return _flat_allreduce(tensors, op=op, prescale_factor=prescale_factor, postscale_factor=postscale_factor,
                                name=name, process_set=process_set)
@@ -205,10 +227,10 @@ def _allreduce(tensor, name: str | None = None, op: int = Sum, prescale_factor: 
                postscale_factor: float = 1.0, ignore_name_scope: bool = False,
                process_set: ProcessSet = global_process_set) -> tf.Tensor:
     """Raw allreduce op (no compression, no IndexedSlices) with its gradient."""
-    tensor = tf.convert_to_tensor(tensor)
+    tensor = _as_tensor(tensor)
     core = _core_name("HorovodAllreduce", tensor, name, ignore_name_scope)
 
-    @tf.custom_gradient
+    @_differentiable
     def fwd(x):
         out = _grouped_allreduce_raw([x], op=op, prescale_factor=prescale_factor,
                                      postscale_factor=postscale_factor, name=core, process_set=process_set,
@@ -257,7 +279,7 @@ def allreduce(tensor, average: bool | None = None, device_dense: str = "", devic
         return tf.IndexedSlices(values, indices, dense_shape=tensor.dense_shape)
     if op == Adasum:
         raise NotImplementedError("The Adasum reduction is not supported by the built-in transport.")
-    tensor = tf.convert_to_tensor(tensor)
+    tensor = _as_tensor(tensor)
     compressed, ctx = compression.compress(tensor)
     reduced = _allreduce(compressed, name=name, op=op, prescale_factor=prescale_factor,
                          postscale_factor=postscale_factor, ignore_name_scope=ignore_name_scope,
@@ -284,7 +306,7 @@ def grouped_allreduce(tensors, average: bool | None = None, device_dense: str = 
                 for i, t in enumerate(tensors)]
     if op == Adasum:
         raise NotImplementedError("The Adasum reduction is not supported by the built-in transport.")
-    tensors = [tf.convert_to_tensor(t) for t in tensors]
+    tensors = [_as_tensor(t) for t in tensors]
     if len({t.dtype for t in tensors}) > 1:
         raise tf.errors.InvalidArgumentError(None, None,
                                              "Tensors in a grouped allreduce must all have the same dtype.")
@@ -296,7 +318,7 @@ def grouped_allreduce(tensors, average: bool | None = None, device_dense: str = 
         core = _core_name("HorovodGroupedAllreduce", tensors[0], name or f"HorovodGroupedAllreduce_{first}_{last}",
                           ignore_name_scope)
 
-    @tf.custom_gradient
+    @_differentiable
     def fwd(*xs):
         outs = _grouped_allreduce_raw(list(xs), op=op, prescale_factor=prescale_factor,
                                       postscale_factor=postscale_factor, name=core, process_set=process_set,
@@ -341,10 +363,10 @@ def _allgather_grad(dy, x, process_set: ProcessSet, ignore_name_scope: bool):
 def allgather(tensor, name: str | None = None, ignore_name_scope: bool = False,
               process_set: ProcessSet = global_process_set) -> tf.Tensor:
     """Concatenate every member's ``tensor`` along dimension 0 (sizes may differ per rank)."""
-    tensor = tf.convert_to_tensor(tensor)
+    tensor = _as_tensor(tensor)
     core = _core_name("HorovodAllgather", tensor, name, ignore_name_scope)
 
-    @tf.custom_gradient
+    @_differentiable
     def fwd(x):
         out = _allgather_raw([x], core, process_set, False)[0]
 
@@ -361,7 +383,7 @@ def grouped_allgather(tensors, name: str | None = None, ignore_name_scope: bool 
     """Allgather a list of tensors as one group."""
     if not tensors:
         return tensors
-    tensors = [tf.convert_to_tensor(t) for t in tensors]
+    tensors = [_as_tensor(t) for t in tensors]
     if tf.executing_eagerly():
         core = name
     else:
@@ -369,7 +391,7 @@ def grouped_allgather(tensors, name: str | None = None, ignore_name_scope: bool 
         core = _core_name("HorovodGroupedAllgather", tensors[0], name or f"HorovodGroupedAllgather_{first}_{last}",
                           ignore_name_scope)
 
-    @tf.custom_gradient
+    @_differentiable
     def fwd(*xs):
         outs = _allgather_raw(list(xs), core, process_set, True)
 
@@ -395,10 +417,10 @@ def _broadcast_raw(tensor: tf.Tensor, root_rank: int, name: str | None, process_
 def broadcast(tensor, root_rank: int, name: str | None = None, ignore_name_scope: bool = False,
               process_set: ProcessSet = global_process_set) -> tf.Tensor:
     """Return ``root_rank``'s ``tensor`` on every member (``root_rank`` is a global rank)."""
-    tensor = tf.convert_to_tensor(tensor)
+    tensor = _as_tensor(tensor)
     core = _core_name("HorovodBroadcast", tensor, name, ignore_name_scope)
 
-    @tf.custom_gradient
+    @_differentiable
     def fwd(x):
         out = _broadcast_raw(x, root_rank, core, process_set)
 
@@ -433,7 +455,7 @@ def broadcast_(variables, root_rank: int, name: str | None = None,
 def alltoall(tensor, splits=None, name: str | None = None, ignore_name_scope: bool = False,
              process_set: ProcessSet = global_process_set):
     """Scatter slices of ``tensor`` to members; returns ``output`` or ``(output, received_splits)``."""
-    tensor = tf.convert_to_tensor(tensor)
+    tensor = _as_tensor(tensor)
     core = _core_name("HorovodAlltoall", tensor, name, ignore_name_scope)
     with_splits = splits is not None
     split_t = tf.convert_to_tensor(splits if with_splits else np.zeros(0, np.int32))
@@ -449,7 +471,7 @@ def alltoall(tensor, splits=None, name: str | None = None, ignore_name_scope: bo
             return [out, np.asarray(received, np.int32)]
         return finish
 
-    @tf.custom_gradient
+    @_differentiable
     def fwd(x):
         out, received = run_collective(submit, [x, split_t], [x.dtype, tf.int32], "HorovodAlltoall")
         if x.shape.rank is not None and x.shape.rank > 0:
@@ -507,11 +529,11 @@ def reducescatter(tensor, device_dense: str = "", compression=None, op: int = Av
 
     compression = compression or Compression.none
     _check_rs_op(op)
-    tensor = tf.convert_to_tensor(tensor)
+    tensor = _as_tensor(tensor)
     core = _core_name("HorovodReducescatter", tensor, name, ignore_name_scope)
     compressed, ctx = compression.compress(tensor)
 
-    @tf.custom_gradient
+    @_differentiable
     def fwd(x):
         out = _reducescatter_raw([x], op=op, prescale_factor=prescale_factor, postscale_factor=postscale_factor,
                                  name=core, process_set=process_set, grouped=False)[0]
@@ -535,7 +557,7 @@ def grouped_reducescatter(tensors, device_dense: str = "", compression=None, op:
         return tensors
     compression = compression or Compression.none
     _check_rs_op(op)
-    tensors = [tf.convert_to_tensor(t) for t in tensors]
+    tensors = [_as_tensor(t) for t in tensors]
     if tf.executing_eagerly():
         core = name
     else:
@@ -544,7 +566,7 @@ def grouped_reducescatter(tensors, device_dense: str = "", compression=None, op:
                           name or f"HorovodGroupedReducescatter_{first}_{last}", ignore_name_scope)
     pairs = [compression.compress(t) for t in tensors]
 
-    @tf.custom_gradient
+    @_differentiable
     def fwd(*xs):
         outs = _reducescatter_raw(list(xs), op=op, prescale_factor=prescale_factor,
                                   postscale_factor=postscale_factor, name=core, process_set=process_set,

@@ -108,9 +108,15 @@ class ElasticJob:
             self.stop()
             raise AssertionError(f"job did not finish in {timeout} s:\n{self.output()}") from None
 
-    def output(self) -> str:
+    def log_text(self) -> str:
+        """The driver's whole log (launcher and every rank's output): what a test searches for a message,
+        which a rank's long traceback after it must not push out of reach."""
         self.log.flush()
-        return (self.tmp / "driver.log").read_text(errors="replace")[-6000:]
+        return (self.tmp / "driver.log").read_text(errors="replace")
+
+    def output(self) -> str:
+        """The log's last 6000 characters, for assertion messages."""
+        return self.log_text()[-6000:]
 
     def result(self) -> dict:
         return json.loads((self.out / "result.json").read_text())

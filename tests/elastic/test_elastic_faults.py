@@ -32,7 +32,7 @@ def test_kill_worker_mid_epoch(elastic_job):
     assert job.wait() == 0, job.output()
     result = job.assert_exact()
     assert result["sizes"] == [2, 1], result
-    assert "blacklisting host 127.0.0.1" in job.output()
+    assert "blacklisting host 127.0.0.1" in job.log_text()
     job.assert_no_leftovers()
 
 
@@ -51,7 +51,7 @@ def test_host_removed(elastic_job):
     job.set_hosts(["localhost:1"])
     assert job.wait() == 0, job.output()
     assert job.assert_exact()["sizes"] == [2, 1]
-    assert "removed from elastic job" in job.output()
+    assert "removed from elastic job" in job.log_text()
     job.assert_no_leftovers()
 
 
@@ -73,7 +73,7 @@ def test_hung_worker(elastic_job):
     assert job.wait() == 0, job.output()
     assert time.monotonic() - started < 60
     assert job.assert_exact()["sizes"] == [2, 1]
-    assert "hung?" in job.output()
+    assert "hung?" in job.log_text()
     job.assert_no_leftovers()
 
 
@@ -90,7 +90,7 @@ def test_reset_limit(elastic_job):
     job.wait_steps(3, size=2)
     os.kill(job.pid("127.0.0.1:0"), signal.SIGKILL)
     assert job.wait() != 0
-    assert "Horovod was shutdown because number of resets during elastic job exceeded limit: 0" in job.output()
+    assert "Horovod was shutdown because number of resets during elastic job exceeded limit: 0" in job.log_text()
     job.assert_no_leftovers()
 
 
@@ -98,8 +98,8 @@ def test_discovery_fails_at_start(elastic_job, tmp_path):
     (tmp_path / "fail").touch()
     job = elastic_job(TWO_HOSTS, ARGS)
     assert job.wait(timeout=30) != 0
-    assert "Failed to execute discovery script" in job.output()
-    assert "Exit code: 3" in job.output()
+    assert "Failed to execute discovery script" in job.log_text()
+    assert "Exit code: 3" in job.log_text()
     job.assert_no_leftovers()
 
 
@@ -111,5 +111,5 @@ def test_discovery_fails_mid_run(elastic_job):
     job.fail_file.unlink()
     assert job.wait() == 0, job.output()
     assert job.assert_exact()["sizes"] == [2]
-    assert "host discovery failed" in job.output()
+    assert "host discovery failed" in job.log_text()
     job.assert_no_leftovers()

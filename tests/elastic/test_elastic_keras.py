@@ -30,5 +30,5 @@ def test_keras_kill_worker_mid_epoch(elastic_job):
     assert result["uses"] == [2] * 48, result
     assert result["w"] == result["expected_w"], result
     assert result["sizes"] == [2, 1], result
-    assert "blacklisting host 127.0.0.1" in job.output()
+    assert "blacklisting host 127.0.0.1" in job.log_text()
     job.assert_no_leftovers()

@@ -33,3 +33,20 @@ def check_regression(torch_model, df, module, weight, bias) -> None:
     predicted = np.array([r["y__output"] for r in rows])
     np.testing.assert_allclose(predicted, local, rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(predicted, x @ W + B, atol=0.05)
+
+
+def run_example(path: str, args: list[str], monkeypatch, capsys) -> str:
+    """Run an example script's ``__main__`` in this process, on the module's running Spark session; returns
+    what it printed.  The script builds its session with ``getOrCreate()`` (which hands it this one: a second
+    JVM and the frameworks' imports cost ~15 s per example here) and stops it when done, which is left to the
+    module's fixture."""
+    import runpy
+    import sys
+
+    from pyspark.sql import SparkSession
+
+    monkeypatch.setattr(sys, "argv", [path, *args])
+    monkeypatch.setattr(SparkSession, "stop", lambda self: None)
+    capsys.readouterr()
+    runpy.run_path(path, run_name="__main__")
+    return capsys.readouterr().out

@@ -240,20 +240,15 @@ def test_learning_rate_scaling_of_values_schedules_and_callbacks():
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(420)
-def test_example_runs_as_written(estimator_spark):
-    """examples/spark/keras_spark_estimator.py in its own process (its own local Spark) learns the map."""
+def test_example_runs_as_written(estimator_spark, monkeypatch, capsys):
+    """examples/spark/keras_spark_estimator.py learns the map."""
     import re
-    import subprocess
-    import sys
+
+    from estimator_checks import run_example
 
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("HOROVOD_")}
-    env["PYTHONPATH"] = os.pathsep.join([repo, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    proc = subprocess.run([sys.executable, os.path.join(repo, "examples", "spark", "keras_spark_estimator.py"),
-                           "--epochs", "5", "--rows", "1000"], cwd=repo, env=env, capture_output=True, text=True,
-                          timeout=400)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    match = re.search(r"^largest \|y - prediction\| over 1000 rows: ([\d.]+)$", proc.stdout, re.M)
-    assert match, proc.stdout[-3000:]
+    out = run_example(os.path.join(repo, "examples", "spark", "keras_spark_estimator.py"),
+                      ["--epochs", "5", "--rows", "1000"], monkeypatch, capsys)
+    match = re.search(r"^largest \|y - prediction\| over 1000 rows: ([\d.]+)$", out, re.M)
+    assert match, out[-3000:]
     assert float(match.group(1)) < 0.1  # noise is 0.01; an untrained model is off by several units

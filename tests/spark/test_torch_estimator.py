@@ -23,7 +23,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("pyspark", reason="pyspark is not installed (pip install 'horovod[spark]')", exc_type=ImportError)
 pytest.importorskip("pyarrow")
 
-from estimator_checks import check_regression, regression_frame  # noqa: E402
+from estimator_checks import check_regression, regression_frame, run_example  # noqa: E402
 from pyspark import cloudpickle as spark_cloudpickle  # noqa: E402
 
 from horovod.spark.common.store import Store  # noqa: E402
@@ -179,21 +179,18 @@ def test_bad_input(regression, tmp_path):
 
 
 @pytest.mark.slow
-def test_example_runs_as_written():
-    """examples/spark/pytorch_spark_estimator.py (its own local Spark) learns the answer it prints.  (Its
-    ``--lightning`` variant builds the estimator tests/spark/test_lightning_estimator.py trains and checks.)"""
+def test_example_runs_as_written(estimator_spark, monkeypatch, capsys):
+    """examples/spark/pytorch_spark_estimator.py learns the answer it prints.  (Its ``--lightning`` variant
+    builds the estimator tests/spark/test_lightning_estimator.py trains and checks.)"""
     import os
     import re
-    import subprocess
 
-    from launch_util import REPO, clean_env
+    from launch_util import REPO
 
-    proc = subprocess.run([sys.executable, os.path.join(REPO, "examples", "spark", "pytorch_spark_estimator.py"),
-                           "--epochs", "3"], cwd=REPO, env=clean_env(), capture_output=True, text=True,
-                          timeout=280)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    match = re.search(r"learned weights \[\s*([-\d.]+)\s+([-\d.]+)\s+([-\d.]+)\s*\], bias ([-\d.]+)", proc.stdout)
-    assert match, proc.stdout[-3000:]
+    out = run_example(os.path.join(REPO, "examples", "spark", "pytorch_spark_estimator.py"), ["--epochs", "3"],
+                      monkeypatch, capsys)
+    match = re.search(r"learned weights \[\s*([-\d.]+)\s+([-\d.]+)\s+([-\d.]+)\s*\], bias ([-\d.]+)", out)
+    assert match, out[-3000:]
     np.testing.assert_allclose([float(v) for v in match.groups()], [0.5, -1.0, 2.0, -0.4], atol=0.05)
-    error = re.search(r"largest prediction error over 1000 rows: ([\d.]+)", proc.stdout)
-    assert error and float(error.group(1)) < 0.1, proc.stdout[-3000:]
+    error = re.search(r"largest prediction error over 1000 rows: ([\d.]+)", out)
+    assert error and float(error.group(1)) < 0.1, out[-3000:]

@@ -4,8 +4,8 @@
 
 Each cycle is upstream's ``test_horovod_is_initialized`` with no collective in between; every
 ``CHECK_EVERY`` cycles the ranks compare their generation counts (all equal, and equal to the number of
-init() calls made) and check an allreduce against the sum computed here with numpy.  Cycles: 300 at np=2,
-100 above (``HOROVOD_TEST_REINIT_CYCLES`` overrides; torch does a third of them, then carries on as the
+init() calls made) and check an allreduce against the sum computed here with numpy.  Cycles: 150 at np=2,
+50 above (``HOROVOD_TEST_REINIT_CYCLES`` overrides; torch does a third of them, then carries on as the
 test file of the reported hang did).  Driven by tests/test_reinit.py.
 """
 
@@ -22,7 +22,7 @@ from horovod.common import basics
 from horovod.common.exceptions import HorovodInternalError, ShutdownError
 
 RANK, SIZE = launcher_rank_size()
-CYCLES = int(os.environ.get("HOROVOD_TEST_REINIT_CYCLES") or (300 if SIZE == 2 else 100))
+CYCLES = int(os.environ.get("HOROVOD_TEST_REINIT_CYCLES") or (150 if SIZE == 2 else 50))
 CHECK_EVERY = 25
 
 

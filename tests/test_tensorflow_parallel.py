@@ -1,6 +1,6 @@
 """Drive tests/parallel/test_tensorflow_*.py and test_keras_*.py under the launcher (every rank runs the
 file in lockstep), with a hard timeout per launch.  TensorFlow imports cost ~5 s per process, so the suite
-is a few files at np=2, plus the op tests at np=3."""
+is a few files at np=2, plus subsets of two of them at np=3 in one launch."""
 
 import os
 import subprocess
@@ -15,8 +15,10 @@ ROOT = Path(__file__).resolve().parent.parent
 PARALLEL = ROOT / "tests" / "parallel"
 FILES = sorted(p.name for p in PARALLEL.glob("test_tensorflow_*.py")) + \
     sorted(p.name for p in PARALLEL.glob("test_keras_*.py"))
-CASES = [(2, f, None) for f in FILES] + [(3, "test_tensorflow_ops.py", "(allreduce and float32) or process_sets"),
-                                         (3, "test_tensorflow_many_collectives.py", "opposite_orders")]
+NP3_SUBSET = ("(test_tensorflow_ops and ((allreduce and float32) or process_sets))"
+              " or (test_tensorflow_many_collectives and opposite_orders)")  # (a module's name is a keyword)
+CASES = [(2, (f,), None) for f in FILES] + [(3, ("test_tensorflow_ops.py", "test_tensorflow_many_collectives.py"),
+                                             NP3_SUBSET)]
 
 
 def _env():
@@ -25,11 +27,14 @@ def _env():
                 CUDA_VISIBLE_DEVICES="")
 
 
-@pytest.mark.parametrize("np_,name,select", CASES, ids=[f"np{n}-{f[:-3]}" + ("-subset" if s else "")
-                                                         for n, f, s in CASES])
-def test_tensorflow_parallel(np_, name, select):
+IDS = [f"np{n}-{'+'.join(f[:-3] for f in fs)}" + ("-subset" if s else "") for n, fs, s in CASES]
+
+
+@pytest.mark.parametrize("np_,names,select", CASES, ids=IDS)
+def test_tensorflow_parallel(np_, names, select):
+    name = " ".join(names)
     cmd = [sys.executable, "-m", "horovod.runner", "-np", str(np_), sys.executable, "-m", "pytest", "-x", "-q",
-           "-p", "no:cacheprovider", str(PARALLEL / name)]
+           "-p", "no:cacheprovider", *(str(PARALLEL / n) for n in names)]
     if select:
         cmd += ["-k", select]
     try:

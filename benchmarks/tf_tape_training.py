@@ -24,6 +24,7 @@ instead launches, per round, two plain ``python`` processes side by side and the
 
     python benchmarks/tf_tape_training.py                  # paired, prints a table and a JSON line
     python benchmarks/tf_tape_training.py --separate --rounds 3
+    python benchmarks/tf_tape_training.py --pin            # every process bound to a core of its own
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def worker(args: argparse.Namespace) -> None:
+    if args.pin:  # before TensorFlow starts a thread: every thread of the process inherits the core
+        os.sched_setaffinity(0, {int(os.environ.get("HOROVOD_RANK", args.seed)) % os.cpu_count()})
     import tensorflow as tf
 
     tf.config.threading.set_intra_op_parallelism_threads(1)
@@ -158,7 +161,7 @@ def _result(proc: subprocess.Popen, what: str) -> dict:
 def _start(args: argparse.Namespace, extra: list[str], horovod: bool) -> subprocess.Popen:
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--batch", str(args.batch), "--steps",
            str(args.steps), "--warmup", str(args.warmup), "--rounds", str(args.rounds), "--block",
-           str(args.block), *extra]
+           str(args.block), *(["--pin"] if args.pin else []), *extra]
     if horovod:
         cmd = [sys.executable, "-m", "horovod.runner", "-np", "2", *cmd]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
@@ -220,6 +223,8 @@ def main() -> None:
                         "--separate: of launches)")
     parser.add_argument("--block", type=int, default=10, help="paired: timed steps per block")
     parser.add_argument("--separate", action="store_true", help="separate launches instead of paired blocks")
+    parser.add_argument("--pin", action="store_true", help="each process on a core of its own (rank, or the "
+                        "single process's index, modulo the cores), as mpirun binds at np <= 2")
     parser.add_argument("--paired", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--horovod", action="store_true", help=argparse.SUPPRESS)

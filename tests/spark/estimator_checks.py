@@ -1,4 +1,5 @@
-"""Shared by the torch and Lightning estimator tests: the regression task ``y = X @ W + B`` and its checks."""
+"""Shared by the Spark tests: the regression task ``y = X @ W + B`` and its checks (torch and Lightning
+estimators), and :func:`run_example` (the examples run on a module's session)."""
 
 from __future__ import annotations
 

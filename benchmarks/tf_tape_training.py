@@ -44,7 +44,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def worker(args: argparse.Namespace) -> None:
     if args.pin:  # before TensorFlow starts a thread: every thread of the process inherits the core
-        os.sched_setaffinity(0, {int(os.environ.get("HOROVOD_RANK", args.seed)) % os.cpu_count()})
+        allowed = sorted(os.sched_getaffinity(0))  # (a container's cpuset need not start at 0)
+        os.sched_setaffinity(0, {allowed[int(os.environ.get("HOROVOD_RANK", args.seed)) % len(allowed)]})
     import tensorflow as tf
 
     tf.config.threading.set_intra_op_parallelism_threads(1)
@@ -224,7 +225,7 @@ def main() -> None:
     parser.add_argument("--block", type=int, default=10, help="paired: timed steps per block")
     parser.add_argument("--separate", action="store_true", help="separate launches instead of paired blocks")
     parser.add_argument("--pin", action="store_true", help="each process on a core of its own (rank, or the "
-                        "single process's index, modulo the cores), as mpirun binds at np <= 2")
+                        "single process's index, modulo the cores it may use), as mpirun binds at np <= 2")
     parser.add_argument("--paired", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--horovod", action="store_true", help=argparse.SUPPRESS)

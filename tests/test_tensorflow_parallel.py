@@ -27,10 +27,7 @@ def _env():
                 CUDA_VISIBLE_DEVICES="")
 
 
-IDS = ["np2-all", "np3-subset"]
-
-
-@pytest.mark.parametrize("np_,names,select", CASES, ids=IDS)
+@pytest.mark.parametrize("np_,names,select", CASES, ids=["np2-all", "np3-subset"])
 def test_tensorflow_parallel(np_, names, select):
     name = " ".join(names) + (f" -k '{select}'" if select else "")
     cmd = [sys.executable, "-m", "horovod.runner", "-np", str(np_), sys.executable, "-m", "pytest", "-x", "-q",

@@ -110,12 +110,27 @@ def _leave(store: Any, generation: int, why: str) -> None:
 
 
 class _AbortableStore:
-    """The store as ``build_mesh`` sees it: waits end early when the driver ends the generation."""
+    """The store as ``build_mesh`` sees it: waits end early when the driver ends the generation.
+
+    ``check`` is ``build_mesh``'s ``abort``: it also ends the waits for peers' connections, which a peer
+    killed mid-formation would otherwise hold until the start timeout -- longer than the driver's grace
+    for leaving a generation, after which it kills the waiting survivor too.
+    """
 
     def __init__(self, store: Any, generation: int) -> None:
         self._store = store
         self._reset_key = f"elastic/reset.{generation}"
         self.addr = getattr(store, "addr", None)
+        self._checked = 0.0
+
+    def check(self) -> None:
+        """Raise :class:`_GenerationEnded` if the driver ended the generation (asks it at most every 0.2 s)."""
+        now = time.monotonic()
+        if now - self._checked < 0.2:
+            return
+        self._checked = now
+        if _exists(self._store, self._reset_key):
+            raise _GenerationEnded(self._reset_key)
 
     def put(self, key: str, value: bytes) -> None:
         self._store.put(key, value)
@@ -184,8 +199,9 @@ def rendezvous() -> Any:
             _hosts_baseline = hosts_ts
             return None
         try:
-            mesh = build_mesh(rank, size, host, _AbortableStore(store, generation), key,
-                              scope=f"elastic.{generation}", timeout=mesh_timeout)
+            abortable = _AbortableStore(store, generation)
+            mesh = build_mesh(rank, size, host, abortable, key, scope=f"elastic.{generation}",
+                              timeout=mesh_timeout, abort=abortable.check)
         except Exception as e:  # noqa: BLE001 - a peer vanished while we met: leave, wait for the next round
             logger.warning("elastic: could not build the mesh of generation %d: %s", generation, e)
             _leave(store, generation, f"mesh failed: {e}")

@@ -45,6 +45,7 @@ import ssl
 import struct
 import threading
 import time
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from horovod.base import auth
@@ -77,6 +78,17 @@ _LOGGED_REFUSALS = 5
 _WANT = (ssl.SSLWantReadError, ssl.SSLWantWriteError)
 # TLS failures that mean the connection was dropped (retry), not that the peer refused us or is a stranger.
 _TLS_DROPPED = (ssl.SSLEOFError, ssl.SSLZeroReturnError, ssl.SSLSyscallError)
+# While peers are awaited, the longest stretch between two calls of ``build_mesh``'s ``abort`` check.
+_ABORT_POLL = 0.2
+# One connect attempt's limit (an unanswered SYN is retried by a new attempt, as the kernel would).
+_CONNECT_ATTEMPT = 3.0
+
+Abort = Callable[[], None]
+"""Called while a formation waits for peers; raises to abandon it (elastic: the generation ended)."""
+
+
+def _no_abort() -> None:
+    pass
 
 
 class Store(Protocol):
@@ -422,7 +434,9 @@ class _Acceptor(threading.Thread):
             p.sock.close()
 
 
-def _connect(rec: dict[str, Any], use_unix: bool, deadline: float) -> socket.socket:
+def _connect(rec: dict[str, Any], use_unix: bool, deadline: float, abort: Abort = _no_abort) -> socket.socket:
+    """Connect to a peer's listener, retrying (a peer that published its address may not listen yet) until
+    ``deadline``; one attempt waits at most a few seconds, so that ``abort`` is consulted between them."""
     delay = 0.01
     while True:
         if use_unix:
@@ -432,7 +446,7 @@ def _connect(rec: dict[str, Any], use_unix: bool, deadline: float) -> socket.soc
             sock = socket.socket(socket.AF_INET6 if ":" in rec["addr"] else socket.AF_INET,
                                  socket.SOCK_STREAM)
             target = (rec["addr"], rec["port"])
-        sock.settimeout(max(0.05, deadline - time.monotonic()))
+        sock.settimeout(max(0.05, min(_CONNECT_ATTEMPT, deadline - time.monotonic())))
         try:
             sock.connect(target)
             return sock
@@ -440,6 +454,7 @@ def _connect(rec: dict[str, Any], use_unix: bool, deadline: float) -> socket.soc
             sock.close()
             if time.monotonic() + delay >= deadline:
                 raise
+            abort()
             time.sleep(delay)
             delay = min(delay * 2, 0.5)
 
@@ -474,13 +489,13 @@ def _tls_connect(sock: socket.socket, tls: tls_mod.JobTls, rec: dict[str, Any], 
 
 
 def _connect_and_prove(rec: dict[str, Any], use_unix: bool, deadline: float, key: bytes, scope: str, rank: int,
-                       peer: int, kind: int, tls: tls_mod.JobTls | None = None) -> Channel:
+                       peer: int, kind: int, tls: tls_mod.JobTls | None = None, abort: Abort = _no_abort) -> Channel:
     """Connect to ``peer`` and run the client handshake; a connection the server dropped before answering
-    (it was busy with strangers, or we were slow) is retried until the deadline."""
+    (it was busy with strangers, or we were slow) is retried until the deadline, or until ``abort`` raises."""
     delay = 0.01
     while True:
         try:
-            sock = _connect(rec, use_unix, deadline)
+            sock = _connect(rec, use_unix, deadline, abort)
         except OSError as e:
             raise PeerFailure(peer, f"cannot connect to {rec}: {e}") from e
         try:
@@ -489,6 +504,7 @@ def _connect_and_prove(rec: dict[str, Any], use_unix: bool, deadline: float, key
         except PeerFailure:
             if time.monotonic() + delay >= deadline:
                 raise
+            abort()
             time.sleep(delay)
             delay = min(delay * 2, 0.2)
             continue
@@ -510,13 +526,14 @@ def _connect_and_prove(rec: dict[str, Any], use_unix: bool, deadline: float, key
         except BaseException:
             ch.close()
             raise
+        abort()
         time.sleep(delay)
         delay = min(delay * 2, 0.2)
 
 
 def build_mesh(rank: int, size: int, hostname: str, store: Store, key: bytes, *, scope: str,
                timeout: float, iface_addr: str | None = None, disable_shm: bool | None = None,
-               tls: tls_mod.JobTls | bool | None = None) -> Mesh:
+               tls: tls_mod.JobTls | bool | None = None, abort: Abort | None = None) -> Mesh:
     """Connect this rank to every other rank of the job and return its :class:`Mesh`.
 
     Args:
@@ -527,6 +544,10 @@ def build_mesh(rank: int, size: int, hostname: str, store: Store, key: bytes, *,
         disable_shm: use TCP between same-host peers too (default: ``HOROVOD_SHM_DISABLE``).
         tls: encrypt the TCP channels with this job identity (default: ``HOROVOD_TLS`` and the credentials
             the launcher put in the environment; False: never), see :mod:`horovod.transport.tls`.
+        abort: called every ``_ABORT_POLL`` seconds or so while this rank waits for a peer to connect or to
+            listen; what it raises ends the formation at once (the elastic worker's check that its
+            generation is still current: a peer that died mid-formation must not hold the others until
+            ``timeout``).
     Raises:
         PeerFailure: a peer was not reachable, or did not connect, before the deadline.
         WireError: a peer we connected to failed to prove the job key (or the job's TLS certificate).
@@ -537,6 +558,7 @@ def build_mesh(rank: int, size: int, hostname: str, store: Store, key: bytes, *,
     job_tls = tls_mod.resolve(tls)
     if size == 1:
         return Mesh(rank, size, [hostname], disable_shm=disable_shm, tls=job_tls is not None)
+    abort = abort or _no_abort
     deadline = time.monotonic() + timeout
 
     tcp = socket.socket(socket.AF_INET6 if iface_addr and ":" in iface_addr else socket.AF_INET,
@@ -578,8 +600,11 @@ def build_mesh(rank: int, size: int, hostname: str, store: Store, key: bytes, *,
             use_unix = not disable_shm and rec["host"] == hostname and bool(rec.get("unix"))
             for kind in ((CTRL, DATA) if peer == 0 else (DATA,)):
                 (mesh.ctrl if kind == CTRL else mesh.data)[peer] = _connect_and_prove(
-                    rec, use_unix, deadline, key, scope, rank, peer, kind, job_tls)
-        acceptor.join(max(0.0, deadline - time.monotonic()))
+                    rec, use_unix, deadline, key, scope, rank, peer, kind, job_tls, abort)
+        while acceptor.is_alive() and time.monotonic() < deadline:
+            acceptor.join(min(_ABORT_POLL, max(0.0, deadline - time.monotonic())))
+            if acceptor.is_alive():
+                abort()
         if acceptor.error is not None:
             raise acceptor.error
         missing = sorted(expected - acceptor.channels.keys())

@@ -85,6 +85,21 @@ def test_failure_during_commit(elastic_job):
     job.assert_no_leftovers()
 
 
+@pytest.mark.parametrize("slot", ["127.0.0.1:0", "localhost:0"], ids=["rank1", "rank0"])
+def test_killed_during_mesh_formation(elastic_job, slot):
+    """A worker killed while the first mesh forms: the survivor, waiting for its connection (rank 0) or
+    retrying its listener (rank 1), leaves the generation at the driver's reset instead of waiting for the
+    start timeout (20 s here) past the grace (4 s) -- which got it killed too and failed the job."""
+    job = elastic_job(TWO_HOSTS, ARGS, env={"TEST_DIE_IN_MESH": slot})
+    assert job.wait() == 0, job.output()
+    assert (job.out / "died_in_mesh").exists()
+    assert job.assert_exact()["sizes"] == [1]
+    log = job.log_text()
+    assert "could not build the mesh of generation 0" in log, job.output()
+    assert "hung?" not in log, job.output()
+    job.assert_no_leftovers()
+
+
 def test_reset_limit(elastic_job):
     job = elastic_job(TWO_HOSTS, ARGS + ["--reset-limit", "0"])
     job.wait_steps(3, size=2)

@@ -7,7 +7,10 @@ duplicated sample changes both.  Rank 0 writes ``progress`` after each commit an
 end; every worker registers ``pids/<slot>.<pid>`` so the test can kill or stop it.
 
 Environment: TEST_OUT (directory), TEST_SAMPLES, TEST_BATCH, TEST_EPOCHS, TEST_STEP_SLEEP,
-TEST_DIE_IN_COMMIT=<slot>:<global step> (SIGKILL itself inside commit(), once).
+TEST_DIE_IN_COMMIT=<slot>:<global step> (SIGKILL itself inside commit(), once),
+TEST_DIE_IN_MESH=<slot> (SIGKILL itself in its first mesh formation, once: as it is about to connect to its
+peer, which then waits for a connection that never comes, or as its peer's connection arrives, which then
+retries a listener that is gone).
 """
 
 import json
@@ -28,6 +31,7 @@ BS = int(os.environ.get("TEST_BATCH", "2"))
 EPOCHS = int(os.environ.get("TEST_EPOCHS", "2"))
 SLEEP = float(os.environ.get("TEST_STEP_SLEEP", "0.05"))
 DIE_IN_COMMIT = os.environ.get("TEST_DIE_IN_COMMIT", "")
+DIE_IN_MESH = os.environ.get("TEST_DIE_IN_MESH", "")
 SLOT = os.environ.get("HOROVOD_ELASTIC_SLOT", "?")
 
 
@@ -45,6 +49,16 @@ def write(name, text):
 
 os.makedirs(os.path.join(OUT, "pids"), exist_ok=True)
 open(os.path.join(OUT, "pids", f"{SLOT}.{os.getpid()}"), "w").close()
+
+if DIE_IN_MESH == SLOT and not os.path.exists(os.path.join(OUT, "died_in_mesh")):
+    from horovod.transport import mesh
+
+    def die(*_args, **_kwargs):
+        open(os.path.join(OUT, "died_in_mesh"), "w").close()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    mesh._connect_and_prove = die  # rank 1: every peer's address is known, none connected
+    mesh._Acceptor._accept = die  # rank 0: a peer's connection is waiting in the listener
 
 hvd.init()
 sampler = ElasticSampler(N, shuffle=True, seed=3, batch_size=BS)

@@ -186,6 +186,8 @@ def _elastic_job(n: int, batch: int, epochs: int, sleep: float) -> tuple:
                 state.counts += hvd.allreduce(np.bincount(np.asarray(indices, np.int64), minlength=n), op=hvd.Sum,
                                               name="counts")
                 state.sampler.record_batch(step, batch)
+                if state.epoch == step == 0:
+                    print(f"rank {hvd.rank()} of {hvd.size()} trained a step", flush=True)
                 time.sleep(sleep)
                 state.commit()
             state.epoch += 1
@@ -344,14 +346,19 @@ def test_num_proc_above_slots_fails_within_start_timeout(spark, marker):
         == [0, 1]
 
 
-def _when_workers_run(token: str, action, count: int = 2, timeout: float = 60.0) -> threading.Thread:
+def _when_workers_run(token: str, action, count: int = 2, timeout: float = 60.0,
+                      ready=lambda: True) -> threading.Thread:
+    """Run ``action(workers)`` once ``count`` workers exist, a second has passed (they reach their sleep) and
+    ``ready()`` holds."""
     def watch() -> None:
         end = time.monotonic() + timeout
         while time.monotonic() < end:
             workers = _workers(token)
             if len(workers) >= count:
-                time.sleep(1.0)  # let them reach the sleep
-                action(workers)
+                time.sleep(1.0)
+                while not ready() and time.monotonic() < end:
+                    time.sleep(0.1)
+                action(_workers(token))
                 return
             time.sleep(0.1)
 
@@ -404,7 +411,10 @@ def test_elastic_training_survives_a_killed_task(spark, marker):
 
     killed: list[int] = []
     out = io.StringIO()
-    watcher = _when_workers_run(marker, kill_one_task)
+    # Mid-training, as users see it: once both ranks have trained a step (killed while the mesh formed is
+    # tests/elastic's test_killed_during_mesh_formation).
+    watcher = _when_workers_run(marker, kill_one_task, ready=lambda: all(
+        f"<stdout>:rank {r} of 2 trained a step" in out.getvalue() for r in range(2)))
     n, epochs = 40, 2
     results = horovod.spark.run_elastic(_elastic_job, args=(n, 2, epochs, 0.2), num_proc=2, min_num_proc=1,
                                         max_num_proc=2, start_timeout=60, elastic_timeout=60,

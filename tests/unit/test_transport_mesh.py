@@ -7,6 +7,7 @@ import logging
 import os
 import socket
 import threading
+import time
 
 import pytest
 
@@ -137,6 +138,39 @@ def test_wrong_key_peer_fails():
         t.join(10)
     assert {r for r, _ in errors} == {0, 1}
     assert any(isinstance(e, (WireError, ConnectionError)) for _, e in errors)
+
+
+class _GenerationOver(Exception):
+    pass
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+@pytest.mark.parametrize("disable_shm", [False, True])
+def test_abort_ends_the_wait_for_a_dead_peer(rank, disable_shm):
+    """The peer published its address and died: rank 0 waits for its connection, rank 1 retries its closed
+    listener.  Both give up when ``abort`` raises (elastic: the driver ended the generation), not at the
+    30 s timeout."""
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    port = closed.getsockname()[1]
+    closed.close()  # nothing listens there any more
+    store = InMemoryStore()
+    peer = 1 - rank
+    store.put(f"s/addr.{peer}", json.dumps({"host": "h", "port": port, "unix": f"gone.{os.getpid()}",
+                                             "addr": "127.0.0.1"}).encode())
+    over_at = time.monotonic() + 0.5
+    calls = []
+
+    def abort():
+        calls.append(time.monotonic())
+        if time.monotonic() > over_at:
+            raise _GenerationOver
+
+    started = time.monotonic()
+    with pytest.raises(_GenerationOver):
+        build_mesh(rank, 2, "h", store, KEY, scope="s", timeout=30.0, disable_shm=disable_shm, abort=abort)
+    assert time.monotonic() - started < 2.0
+    assert len(calls) >= 2  # consulted while waiting, not once at the end
 
 
 def test_advertise_address():

@@ -126,7 +126,8 @@ class Engine:
         self._seq = 0  # response frames received
         self._cycle = max(0.0, config.cycle_time_ms) / 1000.0
         self._outstanding = 0  # tensors sent to the coordinator whose responses have not run yet
-        self._todo: collections.deque[Response | _ParamsMarker] = collections.deque()
+        self._todo: collections.deque[Response | _ParamsMarker | _AnswersQueued] = collections.deque()
+        self._answers_mark: dict[int, int] | None = None  # see _deliver_before
         self._shutdown_requested: str | None = None
         self._shutdown_sent_at: float | None = None
         self._closed_peers: set[int] = set()
@@ -609,10 +610,11 @@ class Engine:
         shutdown = coord.shutdown_reason
         for r in range(1, self.size) if shutdown is not None else ():
             outgoing.setdefault(r, ([], []))
+        mine: list[Response] = []
         for r, (responses, evicted) in outgoing.items():
             if r == 0:
                 self._seq = coord.seq_for(0)
-                self._todo.extend(responses)
+                mine = responses
                 self._evict(evicted)
                 continue
             if r in self._closed_peers:
@@ -621,6 +623,10 @@ class Engine:
                 self._send_ctrl(r, _RESPONSES, encode_responses(coord.seq_for(r), responses, shutdown, evicted))
             except (ConnectionError, OSError):
                 self._closed_peers.add(r)
+        if mine and self._outbox.waiting():
+            # Where this pass's answers end in each peer's stream: what _deliver_before waits for.
+            self._todo.append(_AnswersQueued(self._outbox.marks()))
+        self._todo.extend(mine)
         if shutdown is not None:
             self._todo.append(Response(RequestType.ERROR, -1, [], error=shutdown, payload=[-1]))
 
@@ -633,6 +639,9 @@ class Engine:
             return
         while self._todo and self._stop_reason is None:
             resp = self._todo.popleft()
+            if type(resp) is _AnswersQueued:
+                self._answers_mark = resp.marks
+                continue
             if resp.type is None:  # autotune's parameters, at this point of the response stream
                 self._apply_params(resp.params)
                 continue
@@ -679,10 +688,16 @@ class Engine:
         A member whose socket buffer was full (it was busy in a collective of other ranks) holds only part
         of the frame that names this collective, the rest waits in the outbox, which rank 0 flushes only
         between collectives: it would never join.  Blocking here is safe -- such a member reads again once
-        the collectives before this one are done, and those need nothing from rank 0 (it ran its own)."""
+        the collectives before this one are done, and those need nothing from rank 0 (it ran its own).
+        Only up to the end of that frame (``_answers_mark``, set where the pass's answers entered the todo
+        list): answers of later passes wait behind it, and a member already inside this collective reads them
+        only after it -- waiting for them too was a deadlock (many small tensors answered inline)."""
+        if self._answers_mark is None:
+            return  # the pass that answered this was delivered whole when it was sent
         members = self.set_ranks(resp.process_set_id) or range(self.size)
         timeout = self._deadline or _NO_DEADLINE
-        left = self._outbox.drain(timeout, peers={r for r in members if r != self.rank})
+        left = self._outbox.drain(timeout, peers={r for r in members if r != self.rank},
+                                  until=self._answers_mark)
         if left:
             raise PeerFailure(left[0], f"did not read its control messages within {timeout:g} s")
 
@@ -1011,6 +1026,17 @@ def liveness_deadline(config: RuntimeConfig) -> tuple[float | None, str]:
         if value and 0 < value < float("inf"):
             return float(value), knob
     return None, ""
+
+
+class _AnswersQueued:
+    """In the coordinator's queue of responses to run: the responses after it were answered in frames that
+    end at these per-peer offsets of the outbox (some of their bytes were still queued when sent)."""
+
+    __slots__ = ("marks",)
+    type = None
+
+    def __init__(self, marks: dict[int, int]) -> None:
+        self.marks = marks
 
 
 class _ParamsMarker:

@@ -36,6 +36,10 @@ class Outbox:
         self._watch = watch
         self._lock = threading.Lock()
         self._queued: dict[int, collections.deque[memoryview]] = {}
+        # Per peer, bytes handed to send() and bytes its socket took (or that a broken connection dropped),
+        # ever: drain(until=marks()) waits for the frames sent so far and not for later ones.
+        self._accepted: collections.Counter[int] = collections.Counter()
+        self._written: collections.Counter[int] = collections.Counter()
 
     def send(self, peer: int, kind: int, payload: bytes | bytearray | memoryview = b"") -> None:
         """Send a frame to ``peer`` now as far as its socket takes it; the rest waits behind what waits.
@@ -45,12 +49,13 @@ class Outbox:
         channel = self._channels[peer]
         parts = frame_parts(channel.peer, kind, payload)
         with self._lock:
+            self._accepted[peer] += sum(part.nbytes for part in parts)
             queue = self._queued.get(peer)
             if queue:
                 queue.extend(parts)
                 return
             queue = collections.deque(parts)
-            self._write(channel, queue)
+            self._write(peer, channel, queue)
             if queue:
                 self._queued[peer] = queue
                 self._watch(channel, True)
@@ -65,9 +70,10 @@ class Outbox:
                 self._forget(peer, channel)
                 return
             try:
-                self._write(channel, queue)
+                self._write(peer, channel, queue)
             except (ConnectionError, OSError):
                 queue.clear()
+                self._written[peer] = self._accepted[peer]  # dropped: nobody waits for it any more
             if not queue:
                 self._forget(peer, channel)
 
@@ -80,15 +86,24 @@ class Outbox:
         """Whether any bytes wait (cheap: for a check on every collective)."""
         return bool(self._queued)
 
-    def drain(self, timeout: float, peers: Collection[int] | None = None) -> list[int]:
-        """Wait up to ``timeout`` s until nothing waits for ``peers`` (None: any peer), sending to every peer
-        whose socket takes bytes meanwhile (one peer's frame may be what another waits for).  Returns the
-        peers of ``peers`` still waiting ([] when done)."""
+    def marks(self) -> dict[int, int]:
+        """Per peer, the bytes handed to :meth:`send` so far: ``drain(until=marks)`` waits for the frames
+        sent until now, not for those sent after."""
+        with self._lock:
+            return dict(self._accepted)
+
+    def drain(self, timeout: float, peers: Collection[int] | None = None,
+              until: Mapping[int, int] | None = None) -> list[int]:
+        """Wait up to ``timeout`` s until nothing waits for ``peers`` (None: any peer) -- with ``until``
+        (from :meth:`marks`), until each of them took its bytes up to that mark -- sending to every peer whose
+        socket takes bytes meanwhile (one peer's frame may be what another waits for).  Returns the peers of
+        ``peers`` still waiting ([] when done)."""
         deadline = time.monotonic() + timeout
         while True:
             with self._lock:
                 waiting = [p for p, q in self._queued.items() if q and p in self._channels]
-            left = [p for p in waiting if peers is None or p in peers]
+                left = [p for p in waiting if (peers is None or p in peers)
+                        and (until is None or self._written[p] < until.get(p, 0))]
             remaining = deadline - time.monotonic()
             if not left or remaining <= 0:
                 return left
@@ -101,7 +116,7 @@ class Outbox:
             for fd, _ in poller.poll(remaining * 1000.0):
                 self.flush(fds[fd])
 
-    def _write(self, channel: Channel, queue: collections.deque[memoryview]) -> None:
+    def _write(self, peer: int, channel: Channel, queue: collections.deque[memoryview]) -> None:
         """Write from the head of ``queue`` until the socket would block; sent bytes leave the queue."""
         while queue:
             view = queue[0]
@@ -111,11 +126,13 @@ class Outbox:
                 raise channel._fail(e, "sending a frame") from e
             if sent is None:
                 return
+            self._written[peer] += sent
             if sent < view.nbytes:
                 queue[0] = view[sent:]
             else:
                 queue.popleft()
 
     def _forget(self, peer: int, channel: Channel | None) -> None:
+        self._written[peer] = self._accepted[peer]  # all taken, or (no channel) dropped with the peer
         if self._queued.pop(peer, None) is not None and channel is not None:
             self._watch(channel, False)

@@ -130,6 +130,26 @@ def test_tf_function_of_many_collectives_in_opposite_orders():
         _check({i: t.numpy() for i, t in got.items()})
 
 
+def test_tf_function_of_many_small_allreduces_called_again_and_again():
+    """One ``hvd.allreduce`` per tensor inside ``tf.function`` (as upstream's per-gradient code does), 50 of
+    16 KiB each, 300 calls.  Rank 0's submit ops answer some of them in frames of inline results while others
+    already wait in a shared-memory collective; rank 0 then entered that collective only after rank 1 had read
+    the later frames too, which rank 1 does only after the collective: both waited until the op timeout
+    (within ~200 calls here, every run)."""
+    r, n = hvd.rank(), hvd.size()
+    xs = [tf.constant(np.arange(4096, dtype=np.float32) * (r + 1) + i) for i in range(50)]
+
+    @tf.function
+    def step(xs):
+        return tf.stack([tf.reduce_sum(hvd.allreduce(x, op=hvd.Sum, name=f"small_{i}")) for i, x in enumerate(xs)])
+
+    want = np.array([np.sum(np.arange(4096, dtype=np.float64) * (n * (n + 1) / 2) + n * i) for i in range(50)])
+    for call in range(300):
+        got = step(xs).numpy()
+        if call % 50 == 0 or call == 299:
+            np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
 def test_eager_many_collectives():
     r, n = hvd.rank(), hvd.size()
     got = {i: _collective(i, tf.constant(_input(i, r, n)), "eager").numpy() for i in range(COUNT)}

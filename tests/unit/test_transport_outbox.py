@@ -191,3 +191,41 @@ def test_drain_waits_for_the_named_peers_and_serves_the_others():
     assert got2 == [(2, big)] and box.backlog(1) > 0 and box.backlog(2) == 0
     for c in (*ch.values(), b1):
         c.close()
+
+
+def test_drain_until_a_mark_leaves_later_frames_queued():
+    """``drain(until=marks())`` waits for the frames sent before the mark and no others: the peer reads the
+    first frame, then (as a rank inside the collective that frame named) reads nothing more; waiting for the
+    later frames too would never end."""
+    a, b = _socket_pair("unix")
+    box = Outbox({1: Channel(a, 1, 5.0)}, lambda c, on: None)
+    first, later = os.urandom(2_000_000), os.urandom(3_000_000)
+    box.send(1, 1, first)
+    mark = box.marks()
+    box.send(1, 2, later)
+    assert mark == {1: HEADER.size + len(first)}
+    reader = FrameReader(Channel(b, 0, 5.0))
+    got: list = []
+
+    def read_first_frame_only() -> None:
+        deadline = time.monotonic() + 10
+        while not got and time.monotonic() < deadline:
+            select.select([b], [], [], 0.05)
+            got.extend(reader.read())
+
+    t = threading.Thread(target=read_first_frame_only)
+    t.start()
+    start = time.monotonic()
+    assert box.drain(5.0, peers={1}, until=mark) == []
+    assert time.monotonic() - start < 3
+    t.join(10)
+    assert got[0] == (1, first) and box.waiting() and box.backlog(1) > 0  # the later frame still waits
+    assert box.drain(0.3, peers={1}) == [1]  # all of it: the peer no longer reads
+    box.flush(1)
+    b.close()  # the peer is gone: what waited for it is dropped, and nobody waits for it any more
+    deadline = time.monotonic() + 5
+    while box.waiting() and time.monotonic() < deadline:
+        select.select([], [a], [], 0.1)
+        box.flush(1)
+    assert not box.waiting() and box.drain(0.1, peers={1}, until=box.marks()) == []
+    a.close()

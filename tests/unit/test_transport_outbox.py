@@ -163,6 +163,21 @@ def test_malformed_headers_are_wire_errors(pair, header):
         FrameReader(b, max_len=4096).read()
 
 
+def _read_one_frame_in_background(sock: socket.socket, got: list) -> threading.Thread:
+    """A peer that reads until one frame (or more, when they arrived together) is whole, then stops reading."""
+    reader = FrameReader(Channel(sock, 0, 5.0))
+
+    def read() -> None:
+        deadline = time.monotonic() + 10
+        while not got and time.monotonic() < deadline:
+            select.select([sock], [], [], 0.05)
+            got.extend(reader.read())
+
+    t = threading.Thread(target=read)
+    t.start()
+    return t
+
+
 def test_drain_waits_for_the_named_peers_and_serves_the_others():
     """``drain(peers=...)`` returns once those peers took their bytes; another peer's queue is sent while
     it waits (one peer's frame may be what the other waits for), and a peer that never reads is named."""
@@ -172,17 +187,8 @@ def test_drain_waits_for_the_named_peers_and_serves_the_others():
     big = os.urandom(3_000_000)
     box.send(1, 1, big)
     box.send(2, 2, big)
-    reader2 = FrameReader(Channel(b2, 0, 5.0))
     got2: list = []
-
-    def read_peer2() -> None:
-        deadline = time.monotonic() + 10
-        while not got2 and time.monotonic() < deadline:
-            select.select([b2], [], [], 0.1)
-            got2.extend(reader2.read())
-
-    t = threading.Thread(target=read_peer2)
-    t.start()
+    t = _read_one_frame_in_background(b2, got2)
     start = time.monotonic()
     assert box.drain(0.5, peers={1}) == [1]  # peer 1 never reads
     assert 0.4 < time.monotonic() - start < 3
@@ -204,17 +210,8 @@ def test_drain_until_a_mark_leaves_later_frames_queued():
     mark = box.marks()
     box.send(1, 2, later)
     assert mark == {1: HEADER.size + len(first)}
-    reader = FrameReader(Channel(b, 0, 5.0))
     got: list = []
-
-    def read_first_frame_only() -> None:
-        deadline = time.monotonic() + 10
-        while not got and time.monotonic() < deadline:
-            select.select([b], [], [], 0.05)
-            got.extend(reader.read())
-
-    t = threading.Thread(target=read_first_frame_only)
-    t.start()
+    t = _read_one_frame_in_background(b, got)
     start = time.monotonic()
     assert box.drain(5.0, peers={1}, until=mark) == []
     assert time.monotonic() - start < 3

@@ -611,6 +611,7 @@ class Engine:
         for r in range(1, self.size) if shutdown is not None else ():
             outgoing.setdefault(r, ([], []))
         mine: list[Response] = []
+        ends: dict[int, int] = {}  # where this pass's answer to each peer ends in its stream
         for r, (responses, evicted) in outgoing.items():
             if r == 0:
                 self._seq = coord.seq_for(0)
@@ -620,12 +621,12 @@ class Engine:
             if r in self._closed_peers:
                 continue
             try:
-                self._send_ctrl(r, _RESPONSES, encode_responses(coord.seq_for(r), responses, shutdown, evicted))
+                ends[r] = self._send_ctrl(r, _RESPONSES, encode_responses(coord.seq_for(r), responses, shutdown,
+                                                                          evicted))
             except (ConnectionError, OSError):
                 self._closed_peers.add(r)
         if mine and self._outbox.waiting():
-            # Where this pass's answers end in each peer's stream: what _deliver_before waits for.
-            self._todo.append(_AnswersQueued(self._outbox.marks()))
+            self._todo.append(_AnswersQueued(ends))  # what _deliver_before waits for
         self._todo.extend(mine)
         if shutdown is not None:
             self._todo.append(Response(RequestType.ERROR, -1, [], error=shutdown, payload=[-1]))
@@ -690,8 +691,9 @@ class Engine:
         between collectives: it would never join.  Blocking here is safe -- such a member reads again once
         the collectives before this one are done, and those need nothing from rank 0 (it ran its own).
         Only up to the end of that frame (``_answers_mark``, set where the pass's answers entered the todo
-        list): answers of later passes wait behind it, and a member already inside this collective reads them
-        only after it -- waiting for them too was a deadlock (many small tensors answered inline)."""
+        list): answers of later passes (or keep-alives) wait behind it, and a member already inside this
+        collective reads them only after it -- waiting for them too was a deadlock (many small tensors
+        answered inline)."""
         if self._answers_mark is None:
             return  # the pass that answered this was delivered whole when it was sent
         members = self.set_ranks(resp.process_set_id) or range(self.size)
@@ -824,8 +826,8 @@ class Engine:
         self.autotune_history.append((self._executed, params))
 
     # ------------------------------------------------------------------ liveness and data-plane failures
-    def _send_ctrl(self, peer: int, kind: int, payload) -> None:
-        self._outbox.send(peer, kind, payload)
+    def _send_ctrl(self, peer: int, kind: int, payload) -> int:
+        return self._outbox.send(peer, kind, payload)
 
     def _keepalive(self) -> None:
         """Tell the control-channel peers every ``_beat`` s that this process is alive.

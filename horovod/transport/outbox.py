@@ -37,28 +37,31 @@ class Outbox:
         self._lock = threading.Lock()
         self._queued: dict[int, collections.deque[memoryview]] = {}
         # Per peer, bytes handed to send() and bytes its socket took (or that a broken connection dropped),
-        # ever: drain(until=marks()) waits for the frames sent so far and not for later ones.
+        # ever: drain(until=...) waits for the frames up to a point of the stream, not for later ones.
         self._accepted: collections.Counter[int] = collections.Counter()
         self._written: collections.Counter[int] = collections.Counter()
 
-    def send(self, peer: int, kind: int, payload: bytes | bytearray | memoryview = b"") -> None:
+    def send(self, peer: int, kind: int, payload: bytes | bytearray | memoryview = b"") -> int:
         """Send a frame to ``peer`` now as far as its socket takes it; the rest waits behind what waits.
 
+        Returns where the frame ends in the bytes sent to ``peer`` ever (``drain(until=...)`` waits for it).
         Raises the channel's error (``PeerFailure``, a ConnectionError) when the connection is broken.
         """
         channel = self._channels[peer]
         parts = frame_parts(channel.peer, kind, payload)
         with self._lock:
             self._accepted[peer] += sum(part.nbytes for part in parts)
+            end = self._accepted[peer]
             queue = self._queued.get(peer)
             if queue:
                 queue.extend(parts)
-                return
+                return end
             queue = collections.deque(parts)
             self._write(peer, channel, queue)
             if queue:
                 self._queued[peer] = queue
                 self._watch(channel, True)
+            return end
 
     def flush(self, peer: int) -> None:
         """Send what the socket of ``peer`` takes now (its channel polled writable).  A broken connection
@@ -86,18 +89,12 @@ class Outbox:
         """Whether any bytes wait (cheap: for a check on every collective)."""
         return bool(self._queued)
 
-    def marks(self) -> dict[int, int]:
-        """Per peer, the bytes handed to :meth:`send` so far: ``drain(until=marks)`` waits for the frames
-        sent until now, not for those sent after."""
-        with self._lock:
-            return dict(self._accepted)
-
     def drain(self, timeout: float, peers: Collection[int] | None = None,
               until: Mapping[int, int] | None = None) -> list[int]:
         """Wait up to ``timeout`` s until nothing waits for ``peers`` (None: any peer) -- with ``until``
-        (from :meth:`marks`), until each of them took its bytes up to that mark -- sending to every peer whose
-        socket takes bytes meanwhile (one peer's frame may be what another waits for).  Returns the peers of
-        ``peers`` still waiting ([] when done)."""
+        (peer -> what :meth:`send` returned), until each of them took its bytes up to there, however many
+        frames wait behind -- sending to every peer whose socket takes bytes meanwhile (one peer's frame may
+        be what another waits for).  Returns the peers of ``peers`` still waiting ([] when done)."""
         deadline = time.monotonic() + timeout
         while True:
             with self._lock:

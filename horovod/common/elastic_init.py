@@ -148,8 +148,7 @@ class _AbortableStore:
             except StoreError:
                 if time.monotonic() >= deadline:
                     raise
-            if _exists(self._store, self._reset_key):
-                raise _GenerationEnded(self._reset_key)
+            self.check()
 
 
 def rendezvous() -> Any:

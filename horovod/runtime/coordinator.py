@@ -33,7 +33,7 @@ import numpy as np
 
 from horovod.base.config import RuntimeConfig
 from horovod.base.reduce_ops import data_plane_op
-from horovod.runtime.messages import DTYPES, Request, RequestType, Response
+from horovod.runtime.messages import Request, RequestType, Response, dtype_of
 from horovod.runtime.validation import build_response
 from horovod.transport.communicator import apply_reduce, reduce_into
 from horovod.transport.scaling import scale_inplace, scaled_copy
@@ -418,7 +418,7 @@ class Coordinator:
         round trip (dominant for small tensors)."""
         state = self.sets.get(response.process_set_id)
         ranks = state.ranks if state is not None else sorted(items[0][3])
-        dtype = DTYPES[response.dtype]
+        dtype = dtype_of(response.dtype)
         counts = []
         for shape in response.shapes:
             n = 1

@@ -13,7 +13,7 @@ import numpy as np
 
 from horovod.base.exceptions import PreconditionError
 from horovod.base.reduce_ops import data_plane_op
-from horovod.runtime.messages import DTYPES, RequestType, Response
+from horovod.runtime.messages import RequestType, Response, dtype_of
 from horovod.runtime.queue import TensorEntry, TensorQueue
 from horovod.transport.buffers import Pieces
 from horovod.transport.communicator import Communicator
@@ -73,7 +73,7 @@ class Executor:
         timeline = self.timeline if self.timeline is not None and self.timeline.active else None
         if timeline is None and resp.data is not None and rtype == RequestType.ALLREDUCE:
             # reduced by the coordinator: no communicator, nothing that can fail in the transport
-            results = self._inline_results(resp, entries, DTYPES[resp.dtype])
+            results = self._inline_results(resp, entries, dtype_of(resp.dtype))
             for e, result in zip(entries, results):
                 if e is not None:
                     e._result = result  # Handle.set_result(result, notify=False), inlined
@@ -108,7 +108,7 @@ class Executor:
             if timeline is not None:
                 for i, name in enumerate(resp.names):
                     shape = resp.shapes[i] if i < len(resp.shapes) else ()
-                    timeline.end(name, {"dtype": str(DTYPES[resp.dtype]),
+                    timeline.end(name, {"dtype": str(dtype_of(resp.dtype)),
                                         "shape": "[" + ", ".join(map(str, shape)) + "]"})
         for e, result in zip(entries, results):
             if e is not None:
@@ -120,7 +120,7 @@ class Executor:
     # ------------------------------------------------------------------ collectives
     def _allreduce(self, comm: Communicator, resp: Response, entries: list[TensorEntry | None],
                    timeline) -> list[np.ndarray]:
-        dtype = DTYPES[resp.dtype]
+        dtype = dtype_of(resp.dtype)
         if resp.data is not None:  # reduced by the coordinator
             return self._inline_results(resp, entries, dtype)
         op, postscale = data_plane_op(resp.reduce_op, resp.postscale, comm.size)
@@ -219,7 +219,7 @@ class Executor:
         dims = resp.rank_dims[0]
         rest = tuple(resp.shapes[0][1:])
         row = _numel(rest)
-        out = np.empty((sum(dims), *rest), DTYPES[resp.dtype])
+        out = np.empty((sum(dims), *rest), dtype_of(resp.dtype))
         comm.allgatherv(e.tensor.reshape(-1), out.reshape(-1), [d * row for d in dims])
         return out
 
@@ -254,7 +254,7 @@ class Executor:
             scaled = np.empty_like(src)
             scaled_copy(src, resp.prescale, scaled)
             src = scaled
-        out = np.empty((rows[comm.rank], *rest), DTYPES[resp.dtype])
+        out = np.empty((rows[comm.rank], *rest), dtype_of(resp.dtype))
         comm.reducescatterv(src, out.reshape(-1), [r * row for r in rows], op)
         scale_inplace(out.reshape(-1), postscale)
         return out

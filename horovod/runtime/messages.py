@@ -35,10 +35,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from horovod.base.dtypes import DTYPE_COUNT, DTYPES, dtype_code, dtype_of
 from horovod.base.exceptions import WireError
 from horovod.base.reduce_ops import ReduceOp
 
-__all__ = ["RequestType", "Request", "Response", "DTYPES", "dtype_code", "dtype_name",
+__all__ = ["RequestType", "Request", "Response", "DTYPES", "DTYPE_COUNT", "dtype_code", "dtype_name", "dtype_of",
            "encode_requests", "decode_requests", "encode_responses", "decode_responses"]
 
 
@@ -72,35 +73,8 @@ OP_DISPLAY = {  # names used in upstream's error texts ("One rank did an ALLREDU
 }
 
 
-def _dtypes() -> list[np.dtype]:
-    names = ["uint8", "int8", "uint16", "int16", "int32", "int64", "float16", "float32", "float64", "bool"]
-    dtypes = [np.dtype(n) for n in names]
-    try:
-        import ml_dtypes
-
-        dtypes.append(np.dtype(ml_dtypes.bfloat16))
-    except ImportError:  # bfloat16 is optional
-        pass
-    return dtypes
-
-
-DTYPES: list[np.dtype] = _dtypes()
-_DTYPE_CODES = {dt: i for i, dt in enumerate(DTYPES)}
-
-
-def dtype_code(dtype: np.dtype) -> int:
-    """Wire code of a numpy dtype; ValueError for unsupported dtypes."""
-    code = _DTYPE_CODES.get(dtype)  # an array's dtype object: one dict lookup
-    if code is not None:
-        return code
-    try:
-        return _DTYPE_CODES[np.dtype(dtype)]
-    except KeyError:
-        raise ValueError(f"Tensor type {np.dtype(dtype)} is not supported.") from None
-
-
 def dtype_name(code: int) -> str:
-    return str(DTYPES[code])
+    return str(dtype_of(code))
 
 
 @dataclass(slots=True)
@@ -128,7 +102,7 @@ class Request:
                 self.postscale, self.splits, self.device)
 
     def nbytes(self) -> int:
-        n = DTYPES[self.dtype].itemsize
+        n = dtype_of(self.dtype).itemsize
         for d in self.shape:
             n *= d
         return n
@@ -172,7 +146,7 @@ class Response:
             for d in shape:
                 n *= d
             total += n
-        return total * DTYPES[self.dtype].itemsize
+        return total * dtype_of(self.dtype).itemsize
 
 
 # ----------------------------------------------------------------------------------------------- codec
@@ -332,7 +306,7 @@ def decode_requests(data, rank: int) -> tuple[int, str | None, list[Request], li
             name = rd.text(n_name)
             shape = rd.array("q", ndim, 8)
             splits = rd.array("q", n_splits, 8)
-            if rtype not in _REQUEST_TYPES or dtype >= len(DTYPES) or any(d < 0 for d in shape):
+            if rtype not in _REQUEST_TYPES or dtype >= DTYPE_COUNT or any(d < 0 for d in shape):
                 raise WireError(f"malformed request from rank {rank}: bad type, dtype or shape")
             requests.append(Request(rtype, ps, name, dtype, shape, root, op, pre, post, group, splits, device,
                                     rank, inline))
@@ -427,7 +401,7 @@ def _decode_full(rd: _Reader) -> Response:
     error = rd.text(n_error)
     cache_ids = list(rd.array("i", n_cids, 4))
     payload = list(rd.array("q", n_payload, 8))
-    if rtype not in _RESPONSE_TYPES or dtype >= len(DTYPES) or any(d < 0 for s in shapes for d in s):
+    if rtype not in _RESPONSE_TYPES or dtype >= DTYPE_COUNT or any(d < 0 for s in shapes for d in s):
         raise WireError("malformed response: bad type, dtype or shape")
     return Response(rtype, ps, names, dtype, shapes, root, op, pre, post, rows[0], rows[1], error, last_joined,
                     cache_ids, payload, inline)

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from horovod.base import dtypes as _dtypes
 from horovod.base.exceptions import HorovodInternalError
 from horovod.base.reduce_ops import data_plane_op
 from horovod.common import basics
@@ -43,13 +44,8 @@ __all__ = [
     "Average", "Sum", "Adasum", "Min", "Max", "Product",
 ]
 
-try:
-    from ml_dtypes import bfloat16 as _np_bfloat16
-except ImportError:  # pragma: no cover - ml_dtypes ships with the bf16 extra
-    _np_bfloat16 = None
-
 _REDUCE_DTYPES = frozenset({torch.int32, torch.int64, torch.float16, torch.float32, torch.float64} |
-                           ({torch.bfloat16} if _np_bfloat16 is not None else set()))
+                           ({torch.bfloat16} if _dtypes.HAS_BFLOAT16 else set()))
 _MOVE_DTYPES = _REDUCE_DTYPES | {torch.uint8, torch.int8, torch.int16, torch.bool}
 
 _handle_map = HandleMap()
@@ -74,7 +70,7 @@ def _as_array(tensor: torch.Tensor) -> np.ndarray:
     """Zero-copy numpy view of a contiguous CPU tensor."""
     tensor = tensor.detach()
     if tensor.dtype == torch.bfloat16:
-        return tensor.view(torch.int16).numpy().view(_np_bfloat16)
+        return tensor.view(torch.int16).numpy().view(_dtypes.bfloat16())  # (ml_dtypes, imported now)
     return tensor.numpy()
 
 
@@ -82,7 +78,7 @@ def _as_tensor(array: np.ndarray) -> torch.Tensor:
     """Zero-copy tensor over an engine result."""
     if not array.flags.writeable:
         array = array.copy()
-    if _np_bfloat16 is not None and array.dtype == _np_bfloat16:
+    if _dtypes.is_bfloat16(array.dtype):
         return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
     return torch.from_numpy(array)
 

@@ -48,8 +48,9 @@ def worker(args: argparse.Namespace) -> None:
         os.sched_setaffinity(0, {allowed[int(os.environ.get("HOROVOD_RANK", args.seed)) % len(allowed)]})
     import tensorflow as tf
 
-    tf.config.threading.set_intra_op_parallelism_threads(1)
-    tf.config.threading.set_inter_op_parallelism_threads(1)
+    if args.threads:  # 0: TensorFlow's default (a thread per core, intra- and inter-op)
+        tf.config.threading.set_intra_op_parallelism_threads(args.threads)
+        tf.config.threading.set_inter_op_parallelism_threads(args.threads)
     import keras
     import numpy as np
 
@@ -145,10 +146,16 @@ def worker(args: argparse.Namespace) -> None:
                                    "params": model.count_params()}), flush=True)
 
 
-def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("HOROVOD_")}
-    env.update(PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+def _env(threads: int) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HOROVOD_") and k != "OMP_NUM_THREADS"}
+    env.update(PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="")
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
     return env
+
+
+def _threads(args: argparse.Namespace) -> str:
+    return f"{args.threads} thread(s)/process" if args.threads else "TensorFlow's default threads"
 
 
 def _result(proc: subprocess.Popen, what: str) -> dict:
@@ -162,10 +169,10 @@ def _result(proc: subprocess.Popen, what: str) -> dict:
 def _start(args: argparse.Namespace, extra: list[str], horovod: bool) -> subprocess.Popen:
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--batch", str(args.batch), "--steps",
            str(args.steps), "--warmup", str(args.warmup), "--rounds", str(args.rounds), "--block",
-           str(args.block), *(["--pin"] if args.pin else []), *extra]
+           str(args.block), "--threads", str(args.threads), *(["--pin"] if args.pin else []), *extra]
     if horovod:
         cmd = [sys.executable, "-m", "horovod.runner", "-np", "2", *cmd]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(args.threads))
 
 
 def one_round(args: argparse.Namespace) -> dict:
@@ -194,7 +201,7 @@ def paired(args: argparse.Namespace) -> None:
     def ms(steps: list[float]) -> str:
         return " / ".join(f"{s * 1e3:.1f}" for s in steps)
     print(f"tf.function + DistributedGradientTape, MobileNetV2 32x32: {r['tensors']} trainable tensors, "
-          f"{r['params'] / 1e6:.1f} M params, batch {args.batch}/process, 1 thread/process, paired "
+          f"{r['params'] / 1e6:.1f} M params, batch {args.batch}/process, {_threads(args)}, paired "
           f"({args.rounds} x {args.block} steps each), load average {load:.1f} -> {r['load']:.1f}")
     print(f"two concurrent single processes: {bound:.1f} samples/s ({ms(r['local_step_s'])} ms/step, "
           f"CPU {r['local_cpu_s'] * 1e3:.1f} ms/step on rank 0)")
@@ -223,6 +230,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=6, help="alternations (paired: of step blocks; "
                         "--separate: of launches)")
     parser.add_argument("--block", type=int, default=10, help="paired: timed steps per block")
+    parser.add_argument("--threads", type=int, default=1, help="TensorFlow threads per process, intra- and "
+                        "inter-op (0: TensorFlow's default, one per core)")
     parser.add_argument("--separate", action="store_true", help="separate launches instead of paired blocks")
     parser.add_argument("--pin", action="store_true", help="each process on a core of its own (rank, or the "
                         "single process's index, modulo the cores it may use), as mpirun binds at np <= 2")
@@ -240,7 +249,7 @@ def main() -> None:
     rounds = [one_round(args) for _ in range(args.rounds)]
     first = rounds[0]
     print(f"tf.function + DistributedGradientTape, MobileNetV2 32x32: {first['tensors']} trainable tensors, "
-          f"{first['params'] / 1e6:.1f} M params, batch {args.batch}/process, 1 thread/process")
+          f"{first['params'] / 1e6:.1f} M params, batch {args.batch}/process, {_threads(args)}")
     print("| round | load avg | single A / B step ms | 2 singles samples/s | np=2 step ms | np=2 samples/s | ratio |")
     print("|---|---|---|---|---|---|---|")
     for i, r in enumerate(rounds, 1):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+import threading
 
 import numpy as np
 
@@ -22,20 +23,24 @@ _DTYPE_CODES = {dt: i for i, dt in enumerate(DTYPES)}
 HAS_BFLOAT16 = importlib.util.find_spec("ml_dtypes") is not None
 DTYPE_COUNT = len(_NAMES) + HAS_BFLOAT16
 """Codes a frame may carry: bfloat16 only where ml_dtypes is installed."""
+_load_lock = threading.Lock()
 
 
 def _load_bfloat16() -> bool:
     """Add ml_dtypes' bfloat16 to the table (importing it if nobody did yet); False without ml_dtypes."""
     if len(DTYPES) > _BFLOAT16:
         return True
-    try:
-        import ml_dtypes
-    except ImportError:  # bfloat16 is optional
-        return False
-    bf16 = np.dtype(ml_dtypes.bfloat16)
-    DTYPES.append(bf16)
-    _DTYPE_CODES[bf16] = _BFLOAT16
-    return True
+    with _load_lock:  # (the engine's threads may meet their first bfloat16 at once)
+        if len(DTYPES) > _BFLOAT16:
+            return True
+        try:
+            import ml_dtypes
+        except ImportError:  # bfloat16 is optional
+            return False
+        bf16 = np.dtype(ml_dtypes.bfloat16)
+        _DTYPE_CODES[bf16] = _BFLOAT16
+        DTYPES.append(bf16)  # last: a reader that sees the entry finds its code too
+        return True
 
 
 def bfloat16() -> np.dtype | None:

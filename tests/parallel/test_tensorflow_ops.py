@@ -72,6 +72,21 @@ def test_allreduce_min_max_product(mode, dtype, op):
 
 
 @pytest.mark.parametrize("mode", MODES)
+def test_bfloat16_allreduce_allgather_broadcast(mode):
+    """tf.bfloat16 (ml_dtypes' type, which the engine's dtype table loads on first use) in every mode."""
+    bf16 = tf.bfloat16.as_numpy_dtype
+    r, n = hvd.rank(), hvd.size()
+    xs = [data(("bf16", mode), j, (6,), np.float32).astype(bf16) for j in range(n)]  # small integers: exact
+    got = run(mode, lambda t: [hvd.allreduce(t, op=hvd.Sum, name=f"bf_ar_{mode}"),
+                               hvd.allgather(t, name=f"bf_ag_{mode}"), hvd.broadcast(t, 0, name=f"bf_bc_{mode}")],
+              xs[r])
+    assert [g.dtype for g in got] == [np.dtype(bf16)] * 3
+    np.testing.assert_array_equal(got[0].astype(np.float32), sum(x.astype(np.float32) for x in xs))
+    np.testing.assert_array_equal(got[1].astype(np.float32), np.concatenate(xs).astype(np.float32))
+    np.testing.assert_array_equal(got[2].astype(np.float32), xs[0].astype(np.float32))
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_allreduce_scaling_and_grouped(mode):
     r, n = hvd.rank(), hvd.size()
     xs = [data(("sc", mode), j, (4,), np.float32) for j in range(n)]

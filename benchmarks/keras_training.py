@@ -14,6 +14,8 @@ alternates ``fit`` calls of ``--block`` steps between them.  Both contenders the
 machine load (on a shared 2-core host separate launches a minute apart differed by 2x), and the local one
 runs while the other rank computes too, as a single process would next to other work.
 ``efficiency = np2 samples/s / (2 x single samples/s) = local step time / distributed step time`` (medians).
+A third copy trains with :func:`lockstep_sgd` (the ranks wait for each other every step, nothing is reduced):
+the synchronous bound, printed as "np=2 / synchronous bound" next to the efficiency.
 ``--separate`` launches np=1 and np=2 jobs alternately instead.
 
     python benchmarks/keras_training.py                # the CNN: prints a table and a JSON line
@@ -222,7 +224,7 @@ def main() -> None:
         print(f"scaling efficiency: {r['efficiency']:.3f}  (rank 0's plain step; the ranks' own plain steps "
               f"{' / '.join(f'{t * 1e3:.1f}' for t in r['local_steps_s'])} ms; synchronous with a free gradient "
               f"allreduce: {r['sync_step_s'] * 1e3:.1f} ms, efficiency {r['local_step_s'] / r['sync_step_s']:.3f}; "
-              f"np=2 / synchronous bound: {r['sync_step_s'] / r['dist_step_s']:.3f})")
+              f"np={args.np} / synchronous bound: {r['sync_step_s'] / r['dist_step_s']:.3f})")
         print(json.dumps({"benchmark": "keras_training", "mode": "paired", "fp16": args.fp16, **r}))
         return
     single, multi = [], []

@@ -43,9 +43,12 @@ def _load_bfloat16() -> bool:
         return True
 
 
-def bfloat16() -> np.dtype | None:
-    """ml_dtypes' bfloat16 (imported now if it was not), or None where ml_dtypes is not installed."""
-    return DTYPES[_BFLOAT16] if _load_bfloat16() else None
+def bfloat16() -> np.dtype:
+    """ml_dtypes' bfloat16, imported now if it was not; ValueError where ml_dtypes cannot be imported (a
+    caller must never fall back to another view of the same bits)."""
+    if not _load_bfloat16():
+        raise ValueError("bfloat16 tensors need ml_dtypes, which cannot be imported here")
+    return DTYPES[_BFLOAT16]
 
 
 def is_bfloat16(dtype: np.dtype) -> bool:

@@ -24,8 +24,9 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 __all__ = ["Knob", "KNOBS", "RuntimeConfig", "read_runtime_config", "EnvVar", "ENV_VARS", "EnvVarError",
-           "read_env", "is_set", "explicit_knobs", "env_bool", "env_int", "env_float", "start_timeout", "format_number",
-           "parse_bool", "parse_int", "parse_number", "parse_choice", "LOG_LEVELS",
+           "read_env", "is_set", "unknown_variables", "explicit_knobs", "env_bool", "env_int", "env_float",
+           "start_timeout", "format_number",
+           "parse_bool", "parse_int", "parse_core_list", "parse_number", "parse_choice", "LOG_LEVELS",
            "DEFAULT_START_TIMEOUT", "DEFAULT_ELASTIC_TIMEOUT", "DEFAULT_STALL_SHUTDOWN_SECONDS"]
 
 MIB = 1024 * 1024
@@ -149,6 +150,15 @@ def _count(what: str = "a whole number", minimum: int = 0) -> Callable[[str, str
     return functools.partial(parse_int, minimum=minimum, what=what)
 
 
+def parse_core_list(name: str, text: str) -> tuple[int, ...]:
+    """Comma-separated CPU core ids (upstream's ``HOROVOD_THREAD_AFFINITY``: one per local rank)."""
+    parts = [p.strip() for p in text.strip().strip("[]").split(",")]
+    if not all(_INT_RE.fullmatch(p) and int(p) >= 0 for p in parts):
+        raise EnvVarError(name, text, "is not a comma-separated list of CPU core ids (e.g. 0,1), one per "
+                          "local rank")
+    return tuple(int(p) for p in parts)
+
+
 def _unit_interval(name: str, text: str) -> float:
     """A number in [0, 1] (autotune's Gaussian-process noise)."""
     value = parse_number(name, text, what="a number in [0, 1]")
@@ -214,6 +224,11 @@ KNOBS: tuple[Knob, ...] = (
     Knob("hierarchical_allgather", "HOROVOD_HIERARCHICAL_ALLGATHER", parse_bool, None,
          "--hierarchical-allgather", bool, "Force (1) or forbid (0) hierarchical allgather; unset = automatic.",
          "params.hierarchical_allgather", _bool_env),
+    # Upstream's NCCL torus allreduce: the flags and key are accepted (scripts written for upstream run); there
+    # is no NCCL data plane here, so it changes nothing (docs/compatibility.md).
+    Knob("torus_allreduce", "HOROVOD_TORUS_ALLREDUCE", parse_bool, None,
+         "--torus-allreduce", bool, "Upstream's NCCL torus allreduce; accepted, no effect without NCCL.",
+         "params.torus_allreduce", _bool_env),
     Knob("timeline", "HOROVOD_TIMELINE", parse_str, "",
          "--timeline-filename", str, "Write a Chrome-trace timeline to this file (rank 0).", "timeline.filename"),
     Knob("timeline_mark_cycles", "HOROVOD_TIMELINE_MARK_CYCLES", parse_bool, False,
@@ -242,6 +257,15 @@ KNOBS: tuple[Knob, ...] = (
     Knob("op_timeout", "HOROVOD_GLOO_TIMEOUT_SECONDS", _seconds(positive=True), 30.0,
          "--gloo-timeout-seconds", int, "Seconds a peer may take inside a collective before the job fails.",
          "library_options.gloo_timeout_seconds"),
+    Knob("mpi_threads_disable", "HOROVOD_MPI_THREADS_DISABLE", parse_bool, False,
+         "--mpi-threads-disable", bool, "Under MPI, ask for MPI_THREAD_SINGLE (the engine then makes every MPI "
+         "call from one thread).", "library_options.mpi_threads_disable", _bool_env),
+    Knob("num_nccl_streams", "HOROVOD_NUM_NCCL_STREAMS", _count("a number of streams", 1), 1,
+         "--num-nccl-streams", int, "Upstream's NCCL streams per GPU; accepted, no effect without NCCL.",
+         "library_options.num_nccl_streams"),
+    Knob("thread_affinity", "HOROVOD_THREAD_AFFINITY", parse_core_list, (),
+         "--thread-affinity", str, "Pin each rank's engine thread to a CPU core: a comma-separated list of "
+         "core ids, one per local rank (e.g. 0,2).", "library_options.thread_affinity"),
     Knob("disable_shm", "HOROVOD_SHM_DISABLE", parse_bool, False,
          None, None, "Use TCP even between ranks on the same host (tests the cross-host path).", None,
          _bool_env),
@@ -328,7 +352,6 @@ _OTHER_VARS: tuple[EnvVar, ...] = (
            "gloo (launcher's store) or mpi"),
     EnvVar("HOROVOD_CPU_OPERATIONS", functools.partial(parse_choice, choices=("gloo", "mpi")), "",
            "data plane under MPI: mpi (default) or gloo (built-in)"),
-    EnvVar("HOROVOD_MPI_THREADS_DISABLE", parse_bool, False, "ask MPI for MPI_THREAD_SINGLE"),
     # Deadlines.
     EnvVar("HOROVOD_START_TIMEOUT", _seconds(positive=True), DEFAULT_START_TIMEOUT,
            "seconds workers may take to meet at the rendezvous"),
@@ -346,6 +369,40 @@ ENV_VARS: dict[str, EnvVar] = {
     **{v.name: v for v in _OTHER_VARS},
 }
 """Every ``HOROVOD_*`` variable the package reads, by name."""
+
+# Variables no code here reads that are still no mistake: upstream Horovod's build switches (nothing is
+# compiled here) and its GPU/library tuning without a counterpart, what upstream's launchers export, and
+# this project's own test and Spark-task variables.
+_UNREAD_PREFIXES = ("HOROVOD_WITH_", "HOROVOD_WITHOUT_", "HOROVOD_BUILD_", "HOROVOD_CUDA_", "HOROVOD_ROCM_",
+                    "HOROVOD_NCCL_", "HOROVOD_CCL_", "HOROVOD_GPU", "HOROVOD_TEST_")
+_UNREAD_NAMES = frozenset({
+    "HOROVOD_CMAKE", "HOROVOD_ALLOW_MIXED_GPU_IMPL", "HOROVOD_MIXED_INSTALL", "HOROVOD_SKIP_COMPILE",
+    "HOROVOD_LOCAL_VERSION", "HOROVOD_MPICXX_SHOW", "HOROVOD_DEBUG",
+    "HOROVOD_BATCH_D2D_MEMCOPIES", "HOROVOD_ENABLE_XLA_OPS", "HOROVOD_DISABLE_NVTX_RANGES",
+    "HOROVOD_ADASUM_MPI_CHUNK_SIZE", "HOROVOD_ENABLE_ASYNC_COMPLETION", "HOROVOD_CONTROLLER_DEFAULT",
+    "HOROVOD_CPU_OPERATIONS_DEFAULT",
+    "HOROVOD_GLOO_GLOBAL_PREFIX", "HOROVOD_GLOO_LOCAL_PREFIX", "HOROVOD_GLOO_CROSS_PREFIX",
+    "HOROVOD_SPARK_PYTHONPATH", "HOROVOD_SPARK_USE_LOCAL_RANK_GPU_INDEX", "HOROVOD_SPARK_WORK_DIR",
+    "HOROVOD_SPARK_TASK_GPUS", "HOROVOD_SPARK_RESULT_FILE", "HOROVOD_SPARK_ERROR_FILE",
+})
+
+
+def unknown_variables(environ: Mapping[str, str] | None = None) -> list[str]:
+    """One warning per ``HOROVOD_*`` variable in ``environ`` (default ``os.environ``) that nothing reads,
+    naming the closest registered one: a misspelt knob (``HOROVOD_FUSION_THRESHHOLD``) would otherwise be
+    ignored without a word.  Not an error: other software may export such names."""
+    import difflib
+
+    env = os.environ if environ is None else environ
+    warnings = []
+    for name in sorted(env):
+        if (not name.startswith("HOROVOD_") or name in ENV_VARS or name in _UNREAD_NAMES
+                or name.startswith(_UNREAD_PREFIXES)):
+            continue
+        close = difflib.get_close_matches(name, ENV_VARS, n=1, cutoff=0.8)
+        hint = f"; did you mean {close[0]}?" if close else ""
+        warnings.append(f"{name} is not a variable Horovod reads and has no effect{hint}")
+    return warnings
 
 
 def _text(name: str, environ: Mapping[str, str] | None) -> str | None:

@@ -14,10 +14,10 @@ import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from horovod.base.config import read_runtime_config
+from horovod.base.config import read_runtime_config, unknown_variables
 from horovod.base.reduce_ops import ReduceOp
 from horovod.common import bootstrap, logconfig, naming
-from horovod.runtime.engine import Engine, Topology
+from horovod.runtime.engine import Engine, Topology, engine_core
 from horovod.runtime.messages import Request, RequestType
 
 __all__ = [
@@ -80,12 +80,16 @@ def init(comm=None, process_sets: Sequence[ProcessSet] | str | None = None) -> N
         mpi = bootstrap.mpi_job(comm) if bootstrap.use_mpi(comm) else None
         topology = bootstrap.topology_from_mpi(mpi) if mpi is not None else bootstrap.topology_from_env()
         logconfig.configure(config.log_level, config.log_hide_time, topology.rank)
+        if gen == 1 and topology.rank == 0:  # once per job: every rank has the same environment
+            for warning in unknown_variables():
+                log.warning(warning)
         mesh = elastic_mesh
         try:
+            core = engine_core(config, topology)  # before meeting the others: a bad list fails on its own
             sets = _register_static_sets(list(process_sets or []), topology.size)
             if topology.size > 1 and mesh is None:
                 mesh = bootstrap.build_mesh(topology, [ps.ranks for ps in sets], gen, mpi)
-            engine = Engine(topology, config, mesh, {ps.process_set_id: ps.ranks for ps in sets})
+            engine = Engine(topology, config, mesh, {ps.process_set_id: ps.ranks for ps in sets}, core)
         except Exception:
             if mesh is not None:
                 mesh.close()

@@ -185,17 +185,49 @@ def _parse_simple_yaml(text: str, filename: str) -> dict[str, Any]:
 
 
 def load_config_file(filename: str) -> dict[str, Any]:
-    """Read the YAML config file (PyYAML if installed, else the two-level subset)."""
+    """Read the YAML config file (PyYAML if installed, else the two-level subset).
+
+    Raises:
+        ValueError: the file is not a mapping, or has a key no knob reads (a misspelt key would otherwise
+            leave its knob at the default without a word).
+    """
     with open(filename) as f:
         text = f.read()
     try:
         import yaml
     except ImportError:
-        return _parse_simple_yaml(text, filename)
-    data = yaml.safe_load(text) or {}
+        data = _parse_simple_yaml(text, filename)
+    else:
+        data = yaml.safe_load(text) or {}
     if not isinstance(data, dict):
         raise ValueError(f"config file {filename} must contain a mapping, got {type(data).__name__}")
+    _check_config_keys(data, filename)
     return data
+
+
+def _check_config_keys(config: Mapping[str, Any], filename: str) -> None:
+    known = {key for knob in KNOBS for key in (knob.yaml, knob.yaml_off) if key}
+    sections = {key.split(".", 1)[0] for key in known}
+    unknown = []
+    for top, value in config.items():
+        if top == "controller":
+            continue
+        if top not in sections:
+            unknown.append(str(top))
+        elif not isinstance(value, Mapping):
+            raise ValueError(f"config file {filename}: '{top}' must be a section of 'key: value' lines, got "
+                             f"{value!r}")
+        else:
+            unknown += [f"{top}.{key}" for key in value if f"{top}.{key}" not in known]
+    if unknown:
+        import difflib
+
+        def hint(key: str) -> str:
+            close = difflib.get_close_matches(key, sorted(known | sections | {"controller"}), n=1, cutoff=0.75)
+            return f"{key!r} (did you mean {close[0]!r}?)" if close else repr(key)
+
+        raise ValueError(f"config file {filename}: unknown key(s) {', '.join(hint(k) for k in unknown)}; the "
+                         f"keys are {', '.join(sorted(known))} and controller")
 
 
 def _lookup(config: Mapping[str, Any], dotted: str) -> tuple[bool, Any]:

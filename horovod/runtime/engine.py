@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import select
 import struct
 import threading
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from horovod.base.config import RuntimeConfig, explicit_knobs
+from horovod.base.config import EnvVarError, RuntimeConfig, explicit_knobs
 from horovod.base.exceptions import SHUT_DOWN_MESSAGE, ShutdownError, WireError
 from horovod.runtime.autotune import ParameterManager, Params
 from horovod.runtime.coordinator import Coordinator, collective_failure
@@ -80,12 +81,38 @@ class Topology:
     hostname: str = "localhost"
 
 
+def engine_core(config: RuntimeConfig, topology: Topology) -> int | None:
+    """The CPU core ``HOROVOD_THREAD_AFFINITY`` gives this rank's engine thread (its local rank's entry), or
+    None when unset.
+
+    Raises:
+        EnvVarError: fewer ids than ranks on this host, or a core this process may not run on.
+    """
+    cores = config.thread_affinity
+    if not cores:
+        return None
+    text = ",".join(map(str, cores))
+    if len(cores) < topology.local_size:
+        raise EnvVarError("HOROVOD_THREAD_AFFINITY", text, f"names {len(cores)} core(s) but this host runs "
+                          f"{topology.local_size} ranks: give one core id per local rank")
+    core = cores[topology.local_rank]
+    allowed = os.sched_getaffinity(0)
+    if core not in allowed:
+        raise EnvVarError("HOROVOD_THREAD_AFFINITY", text, f"gives local rank {topology.local_rank} core {core}, "
+                          f"which this process may not run on (allowed: {sorted(allowed)})")
+    return core
+
+
 class Engine:
-    """Owns the queue, the background thread, the process-set table and (on rank 0) the coordinator."""
+    """Owns the queue, the background thread, the process-set table and (on rank 0) the coordinator.
+
+    ``core``: the CPU the engine thread pins itself to (:func:`engine_core`), as upstream's background thread.
+    """
 
     def __init__(self, topology: Topology, config: RuntimeConfig, mesh=None,
-                 process_sets: dict[int, list[int]] | None = None) -> None:
+                 process_sets: dict[int, list[int]] | None = None, core: int | None = None) -> None:
         self.topology = topology
+        self._core = core
         self.rank = topology.rank
         self.size = topology.size
         self.config = config
@@ -243,6 +270,8 @@ class Engine:
     # ------------------------------------------------------------------ engine thread
     def _run(self) -> None:
         try:
+            if self._core is not None:
+                os.sched_setaffinity(0, {self._core})  # 0: the calling thread only
             self._loop()
         except BaseException as e:  # noqa: BLE001 - the loop must always release the job
             self._engine_failed(e)

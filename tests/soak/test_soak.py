@@ -11,10 +11,10 @@
   every sample processed exactly once per epoch and nothing left running.
 
 Knobs (environment):
-  HOROVOD_SOAK_SEED   the schedule's seed (default: a new one per run, printed; rerun a failure with it)
-  HOROVOD_SOAK_STEPS  steps of the collectives soak (default 2000, about 15 s on two busy cores; the TCP
+  HOROVOD_TEST_SOAK_SEED   the schedule's seed (default: a new one per run, printed; rerun a failure with it)
+  HOROVOD_TEST_SOAK_STEPS  steps of the collectives soak (default 2000, about 15 s on two busy cores; the TCP
                       run does half)
-  HOROVOD_SOAK_SCALE  multiplies the steps and the elastic rounds (default 1), e.g. 20 for a soak of 20-30 minutes
+  HOROVOD_TEST_SOAK_SCALE  multiplies the steps and the elastic rounds (default 1), e.g. 20 for a soak of 20-30 minutes
 """
 
 from __future__ import annotations
@@ -38,9 +38,9 @@ pytestmark = pytest.mark.skipif(bool(os.environ.get("HOROVOD_RANK")), reason="dr
 
 HERE = Path(__file__).resolve().parent
 NP = 4
-SCALE = max(1, int(os.environ.get("HOROVOD_SOAK_SCALE") or 1))
-STEPS = int(os.environ.get("HOROVOD_SOAK_STEPS") or 2000) * SCALE
-SEED = int(os.environ.get("HOROVOD_SOAK_SEED") or secrets.randbelow(1 << 31))
+SCALE = max(1, int(os.environ.get("HOROVOD_TEST_SOAK_SCALE") or 1))
+STEPS = int(os.environ.get("HOROVOD_TEST_SOAK_STEPS") or 2000) * SCALE
+SEED = int(os.environ.get("HOROVOD_TEST_SOAK_SEED") or secrets.randbelow(1 << 31))
 # Kinds every CI-sized run must have exercised (the rarer ones only once the run is long enough to expect them).
 COMMON_KINDS = {"allreduce", "grouped_allreduce", "allgather", "grouped_allgather", "broadcast", "alltoall",
                 "reducescatter", "grouped_reducescatter", "barrier", "objects", "batch", "repeat"}
@@ -194,7 +194,7 @@ def test_elastic_rounds(tmp_path, round_):
         for _slot, pid, _step in done:
             assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, pid
     except AssertionError as e:
-        raise AssertionError(f"{kind} round, seed {seed} (HOROVOD_SOAK_SEED={SEED}), faults (slot, pid, step) "
+        raise AssertionError(f"{kind} round, seed {seed} (HOROVOD_TEST_SOAK_SEED={SEED}), faults (slot, pid, step) "
                              f"{done}: {e}") from None
     finally:
         job.stop()

@@ -72,6 +72,10 @@ VALID = [
     ("HOROVOD_START_TIMEOUT", "0.5", 0.5),
     ("HOROVOD_ELASTIC_TIMEOUT", "600", 600.0),
     ("HOROVOD_ELASTIC_GRACE_SECONDS", "0", 0.0),
+    ("HOROVOD_THREAD_AFFINITY", "0, 2", (0, 2)),
+    ("HOROVOD_THREAD_AFFINITY", "[3,1]", (3, 1)),                # a YAML list in the config file
+    ("HOROVOD_NUM_NCCL_STREAMS", "2", 2),
+    ("HOROVOD_MPI_THREADS_DISABLE", "1", True),
 ]
 
 # Values valid for a number but not for this variable.
@@ -90,6 +94,8 @@ OUT_OF_RANGE = [
     ("HOROVOD_RANK", "1.5", "is not a rank"),
     ("HOROVOD_CPU_OPERATIONS", "ccl", "is not one of gloo, mpi"),
     ("HOROVOD_SECRET_KEY", "abc", "is not a hex string"),       # odd length
+    ("HOROVOD_THREAD_AFFINITY", "0,,1", "is not a comma-separated list of CPU core ids"),
+    ("HOROVOD_NUM_NCCL_STREAMS", "0", "must be >= 1"),
 ]
 
 
@@ -376,3 +382,93 @@ def test_horovod_run_workers_see_no_garbage_knobs():
         os.environ.update(env_before)
     assert seen == [dict.fromkeys(names)]
     assert not math.isnan(config.read_runtime_config({}).cycle_time_ms)
+
+
+# ------------------------------------------------------------------ names nothing reads
+def test_unknown_variables_name_the_closest_known_one():
+    environ = {"HOROVOD_FUSION_THRESHHOLD": "1", "HOROVOD_CYCLETIME": "5", "HOROVOD_FROBNICATE": "1",
+               "HOROVOD_FUSION_THRESHOLD": "1", "HOROVOD_WITH_PYTORCH": "1", "HOROVOD_GPU_OPERATIONS": "NCCL",
+               "HOROVOD_TEST_ANYTHING": "1", "HOROVOD_THREAD_AFFINITY": "0", "PATH": "/bin", "XHOROVOD_A": "1"}
+    assert config.unknown_variables(environ) == [
+        "HOROVOD_CYCLETIME is not a variable Horovod reads and has no effect; did you mean HOROVOD_CYCLE_TIME?",
+        "HOROVOD_FROBNICATE is not a variable Horovod reads and has no effect",
+        "HOROVOD_FUSION_THRESHHOLD is not a variable Horovod reads and has no effect; "
+        "did you mean HOROVOD_FUSION_THRESHOLD?"]
+    assert config.unknown_variables({name: "1" for name in ENV_VARS}) == []
+
+
+def test_a_misspelt_variable_is_reported_once_by_rank_0(tmp_path):
+    script = tmp_path / "w.py"
+    script.write_text("import horovod.numpy as hvd\nhvd.init()\nhvd.shutdown()\nhvd.init()\nprint('ran')\n")
+    proc = subprocess.run([sys.executable, "-m", "horovod.runner", "-np", "2", sys.executable, str(script)],
+                          env=clean_env(HOROVOD_FUSION_THRESHHOLD="1"), capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    warnings = [line for line in (proc.stdout + proc.stderr).splitlines() if "FUSION_THRESHHOLD" in line]
+    assert len(warnings) == 1 and "[rank 0]" in warnings[0], warnings
+    assert "did you mean HOROVOD_FUSION_THRESHOLD?" in warnings[0]
+    assert proc.stdout.count("ran") == 2
+
+
+@pytest.mark.parametrize("text,problem", [
+    ("params:\n  fusion_threshhold_mb: 32\n",
+     "'params.fusion_threshhold_mb' (did you mean 'params.fusion_threshold_mb'?)"),
+    ("fusion_threshold_mb: 32\n", "'fusion_threshold_mb' (did you mean 'params.fusion_threshold_mb'?)"),
+    ("stall_checks:\n  enabled: false\n", "'stall_checks' (did you mean 'stall_check'?)"),
+    ("params: 32\n", "'params' must be a section"),
+])
+def test_config_file_refuses_unknown_keys(tmp_path, text, problem):
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=re.escape(problem)):
+        parse_args(["-np", "1", "--config-file", str(path), "true"])
+
+
+def test_upstream_library_flags_and_keys_are_knobs(tmp_path):
+    """Scripts written for upstream pass --mpi-threads-disable, --num-nccl-streams, --thread-affinity and
+    --[no-]torus-allreduce (or the config file's keys): each becomes its variable, as upstream exports it."""
+    expected = {"HOROVOD_MPI_THREADS_DISABLE": "1", "HOROVOD_NUM_NCCL_STREAMS": "2",
+                "HOROVOD_THREAD_AFFINITY": "1,0", "HOROVOD_TORUS_ALLREDUCE": "0"}
+    job = parse_args(["-np", "2", "--mpi-threads-disable", "--num-nccl-streams", "2", "--thread-affinity", "1,0",
+                      "--no-torus-allreduce", "true"])
+    assert job.knob_env() == expected
+    path = tmp_path / "c.yaml"
+    path.write_text("params:\n  torus_allreduce: false\nlibrary_options:\n  mpi_threads_disable: true\n"
+                    "  num_nccl_streams: 2\n  thread_affinity: 1,0\n")
+    assert parse_args(["-np", "2", "--config-file", str(path), "true"]).knob_env() == expected
+    parsed = read_runtime_config(expected)
+    assert (parsed.mpi_threads_disable, parsed.num_nccl_streams, parsed.thread_affinity, parsed.torus_allreduce) \
+        == (True, 2, (1, 0), False)
+
+
+def test_engine_core_is_the_local_ranks_entry_and_refuses_what_cannot_be_pinned():
+    from horovod.runtime.engine import Topology, engine_core
+
+    allowed = sorted(os.sched_getaffinity(0))
+    two = read_runtime_config({"HOROVOD_THREAD_AFFINITY": f"{allowed[-1]},{allowed[0]}"})
+    assert engine_core(two, Topology(rank=3, size=4, local_rank=0, local_size=2)) == allowed[-1]
+    assert engine_core(two, Topology(rank=1, size=4, local_rank=1, local_size=2)) == allowed[0]
+    assert engine_core(read_runtime_config({}), Topology(rank=0, size=1)) is None
+    with pytest.raises(EnvVarError, match="names 2 core\\(s\\) but this host runs 3 ranks"):
+        engine_core(two, Topology(rank=0, size=3, local_rank=0, local_size=3))
+    missing = max(allowed) + 1
+    with pytest.raises(EnvVarError, match=f"gives local rank 0 core {missing}, which this process may not run on"):
+        engine_core(read_runtime_config({"HOROVOD_THREAD_AFFINITY": str(missing)}), Topology(rank=0, size=1))
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs to tell the pinning apart")
+def test_thread_affinity_pins_each_ranks_engine_thread(tmp_path):
+    first, second = sorted(os.sched_getaffinity(0))[:2]
+    script = tmp_path / "w.py"
+    script.write_text("import os\nimport numpy as np\nimport horovod.numpy as hvd\nfrom horovod.common import basics\n"
+                      "hvd.init()\nengine = basics._engine._thread.native_id\n"
+                      "assert hvd.allreduce(np.ones(3), op=hvd.Sum).tolist() == [2.0] * 3\n"
+                      "print('pinned', hvd.local_rank(), sorted(os.sched_getaffinity(engine)), "
+                      "len(os.sched_getaffinity(0)))\n")
+    proc = subprocess.run([sys.executable, "-m", "horovod.runner", "-np", "2", "--thread-affinity",
+                           f"{second},{first}", sys.executable, str(script)],
+                          env=clean_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    seen = sorted(line.split("pinned ", 1)[1] for line in proc.stdout.splitlines() if "pinned" in line)
+    width = len(os.sched_getaffinity(0))
+    assert seen == [f"0 [{second}] {width}", f"1 [{first}] {width}"]  # the caller's threads stay unpinned

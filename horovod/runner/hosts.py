@@ -65,8 +65,23 @@ class SlotInfo:
 
 
 def parse_hosts(hosts_string: str) -> list[HostInfo]:
-    """Parse ``-H host1:2,host2:4`` into hosts in the given order."""
-    return [HostInfo.from_string(item) for item in hosts_string.split(",") if item.strip()]
+    """Parse ``-H host1:2,host2:4`` into hosts in the given order.
+
+    Raises:
+        ValueError: an item is not ``host:slots`` (upstream's text), or a host is listed twice (upstream then
+            exports a cross rank at or above the cross size, and the job fails in its workers).
+    """
+    hosts = [HostInfo.from_string(item) for item in hosts_string.split(",") if item.strip()]
+    seen: dict[str, list[int]] = {}
+    for host in hosts:
+        seen.setdefault(host.hostname, []).append(host.slots)
+    twice = {name: slots for name, slots in seen.items() if len(slots) > 1}
+    if twice:
+        listed = "; ".join(f"{name} ({', '.join(f'{name}:{n}' for n in slots)})" for name, slots in twice.items())
+        merged = ",".join(f"{name}:{sum(slots)}" for name, slots in seen.items())
+        raise ValueError(f"Host listed more than once: {listed}. List each host once with all its slots, "
+                         f"e.g. {merged}")
+    return hosts
 
 
 def parse_host_files(filename: str) -> str:

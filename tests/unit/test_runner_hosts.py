@@ -27,6 +27,18 @@ def test_parse_hosts_invalid(spec):
                                     "worker-0:2,worker-1:2.")
 
 
+@pytest.mark.parametrize("spec,listed,merged", [
+    ("localhost:1,localhost:1", "localhost (localhost:1, localhost:1)", "localhost:2"),
+    ("a:2,b:1,a:3", "a (a:2, a:3)", "a:5,b:1"),
+])
+def test_a_host_listed_twice_is_refused(spec, listed, merged):
+    """Upstream assigns the second entry cross rank 1 of a cross size of 1: the workers fail at init."""
+    with pytest.raises(ValueError) as e:
+        parse_hosts(spec)
+    assert str(e.value) == (f"Host listed more than once: {listed}. List each host once with all its slots, "
+                            f"e.g. {merged}")
+
+
 def test_hostfile(tmp_path):
     path = tmp_path / "hosts"
     path.write_text("# cluster\nhost1 slots=2\n\nhost2   slots=4  # big\nhost3\n")

@@ -7,6 +7,8 @@ worker, whose empty state ``sync()`` broadcast, and training silently restarted 
 
 from __future__ import annotations
 
+import pytest
+
 from horovod.runner.elastic.discovery import HostManager
 
 
@@ -68,3 +70,31 @@ def test_blacklisted_for_good_stays_out():
     assert not manager.all_blacklisted()
     manager.blacklist("b")
     assert manager.all_blacklisted()
+
+
+def _script(tmp_path, output: str) -> str:
+    path = tmp_path / "discover.sh"
+    path.write_text(f"#!/bin/sh\nprintf '{output}'\n")
+    path.chmod(0o755)
+    return str(path)
+
+
+def test_discovery_script_lines(tmp_path):
+    from horovod.runner.elastic.discovery import HostDiscoveryScript
+
+    found = HostDiscoveryScript(_script(tmp_path, "a:2\\n\\n  b \\nc.example-1:3\\n"), slots=4)
+    assert found.find_available_hosts_and_slots() == {"a": 2, "b": 4, "c.example-1": 3}
+
+
+@pytest.mark.parametrize("line,problem", [
+    ("bad host name", "expected 'host' or 'host:slots' on each line"),  # once a host the driver waited on
+    ("a:x", "Invalid host input"),
+])
+def test_discovery_script_garbage_names_the_script_and_line(tmp_path, line, problem):
+    from horovod.runner.elastic.discovery import HostDiscoveryScript
+
+    script = _script(tmp_path, f"a:1\\n{line}\\n")
+    with pytest.raises(ValueError) as e:
+        HostDiscoveryScript(script, slots=1).find_available_hosts_and_slots()
+    assert str(e.value).startswith(f"Discovery script {script} printed {line!r}: ")
+    assert problem in str(e.value)

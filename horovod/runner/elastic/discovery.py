@@ -13,11 +13,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 import random
+import re
 import subprocess
 import time
 from collections.abc import Callable
 
 from horovod.runner.hosts import HostInfo
+
+_HOSTNAME_RE = re.compile(r"[\w.-]+")  # what -H accepts before ':slots'
 
 __all__ = ["HostDiscovery", "HostDiscoveryScript", "FixedHosts", "HostManager", "DISCOVER_HOSTS_FREQUENCY_SECS"]
 
@@ -61,10 +64,16 @@ class HostDiscoveryScript(HostDiscovery):
             if not line:
                 continue
             if ":" in line:
-                info = HostInfo.from_string(line)
+                try:
+                    info = HostInfo.from_string(line)
+                except ValueError as e:
+                    raise ValueError(f"Discovery script {self.script} printed {line!r}: {e}") from None
                 hosts[info.hostname] = info.slots
-            else:
+            elif _HOSTNAME_RE.fullmatch(line):
                 hosts[line] = self.slots
+            else:
+                raise ValueError(f"Discovery script {self.script} printed {line!r}: expected 'host' or "
+                                 f"'host:slots' on each line")
         return hosts
 
 

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from horovod.base.config import read_runtime_config, unknown_variables
 from horovod.base.reduce_ops import ReduceOp
 from horovod.common import bootstrap, logconfig, naming
-from horovod.runtime.engine import Engine, Topology, engine_core
+from horovod.runtime.engine import Engine, Topology, check_output_files, engine_core
 from horovod.runtime.messages import Request, RequestType
 
 __all__ = [
@@ -85,7 +85,8 @@ def init(comm=None, process_sets: Sequence[ProcessSet] | str | None = None) -> N
                 log.warning(warning)
         mesh = elastic_mesh
         try:
-            core = engine_core(config, topology)  # before meeting the others: a bad list fails on its own
+            core = engine_core(config, topology)  # before meeting the others: bad settings fail on their own
+            check_output_files(config, topology.rank)
             sets = _register_static_sets(list(process_sets or []), topology.size)
             if topology.size > 1 and mesh is None:
                 mesh = bootstrap.build_mesh(topology, [ps.ranks for ps in sets], gen, mpi)

@@ -103,6 +103,34 @@ def engine_core(config: RuntimeConfig, topology: Topology) -> int | None:
     return core
 
 
+def check_output_files(config: RuntimeConfig, rank: int) -> None:
+    """Rank 0 writes the timeline and the autotune log: a path it cannot write fails ``init()`` before the job
+    meets, naming the variable (upstream logs an error and runs on without the file).
+
+    Raises:
+        EnvVarError: the file's directory is missing or not writable, or the path is a directory.
+    """
+    if rank != 0:
+        return
+    timeline = "" if config.timeline.upper() == "DYNAMIC" else config.timeline
+    for name, path in (("HOROVOD_TIMELINE", timeline),
+                       ("HOROVOD_AUTOTUNE_LOG", config.autotune_log if config.autotune else "")):
+        problem = path and _unwritable(path)
+        if problem:
+            raise EnvVarError(name, path, f"cannot be written by rank 0: {problem}")
+
+
+def _unwritable(path: str) -> str | None:
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        return "it is a directory"
+    if not os.path.isdir(folder):
+        return f"no directory {folder}"
+    if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        return "permission denied"
+    return None
+
+
 class Engine:
     """Owns the queue, the background thread, the process-set table and (on rank 0) the coordinator.
 

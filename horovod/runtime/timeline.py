@@ -43,12 +43,19 @@ class Timeline:
 
     # -------------------------------------------------------------- control (any thread)
     def start(self, path: str, mark_cycles: bool | None = None) -> None:
-        """Switch to a new file; returns once the writer has switched."""
+        """Switch to a new file; returns once the writer has switched.
+
+        Raises:
+            OSError: the file cannot be written (nothing is recorded until a start that succeeds).
+        """
         if mark_cycles is not None:
             self.mark_cycles = mark_cycles
         done = threading.Event()
-        self._queue.put(("open", path, done))
+        failure: list[OSError] = []
+        self._queue.put(("open", (path, failure), done))
         done.wait()
+        if failure:
+            raise failure[0]
 
     def stop(self) -> None:
         done = threading.Event()
@@ -164,7 +171,12 @@ class Timeline:
             try:
                 if kind == "open":
                     self._close_file()
-                    self._open_file(payload)
+                    path, failure = payload
+                    try:
+                        self._open_file(path)
+                    except OSError as e:
+                        self._close_file()
+                        failure.append(e)
                 elif kind == "close":
                     self._close_file()
                 elif self._file is not None:

@@ -472,3 +472,15 @@ def test_thread_affinity_pins_each_ranks_engine_thread(tmp_path):
     seen = sorted(line.split("pinned ", 1)[1] for line in proc.stdout.splitlines() if "pinned" in line)
     width = len(os.sched_getaffinity(0))
     assert seen == [f"0 [{second}] {width}", f"1 [{first}] {width}"]  # the caller's threads stay unpinned
+
+
+def test_unwritable_timeline_fails_the_job_at_init_naming_it(tmp_path):
+    target = tmp_path / "missing" / "timeline.json"
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "horovod.runner", "-np", "2", "--timeline-filename", str(target),
+                           sys.executable, "-c", "import horovod.numpy as hvd; hvd.init(); print('initialised')"],
+                          env=clean_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert time.monotonic() - start < 60
+    assert f"HOROVOD_TIMELINE='{target}' cannot be written by rank 0: no directory" in proc.stdout + proc.stderr
+    assert "initialised" not in proc.stdout

@@ -252,3 +252,40 @@ def test_close_is_idempotent_enough(tmp_path):
     t.close()
     assert not t.active
     assert json.loads((tmp_path / "x.json").read_text())
+
+
+def test_a_file_that_cannot_be_opened_is_the_callers_error(tmp_path, checked_timeline):
+    """hvd.start_timeline() of a bad path raises (upstream logged and recorded nothing); a later good one works."""
+    make, problems, _ = checked_timeline
+    t = make()
+    with pytest.raises(FileNotFoundError):
+        t.start(str(tmp_path / "missing" / "t.json"))
+    assert not t.active
+    _record_one_allreduce(t, "allreduce.lost")  # recorded nowhere, and no error
+    good = tmp_path / "t.json"
+    t.start(str(good))
+    _record_one_allreduce(t, "allreduce.kept")
+    t.stop()
+    assert [r["args"]["name"] for r in _load(good) if r.get("name") == "process_name" and r["pid"]] == \
+        ["allreduce.kept"]
+    assert problems == []
+
+
+@pytest.mark.parametrize("knobs,problem", [
+    ({"HOROVOD_TIMELINE": "{tmp}/missing/t.json"}, "HOROVOD_TIMELINE='{tmp}/missing/t.json' cannot be written by "
+                                                   "rank 0: no directory {tmp}/missing"),
+    ({"HOROVOD_TIMELINE": "{tmp}"}, "HOROVOD_TIMELINE='{tmp}' cannot be written by rank 0: it is a directory"),
+    ({"HOROVOD_AUTOTUNE": "1", "HOROVOD_AUTOTUNE_LOG": "{tmp}/no/a.csv"}, "HOROVOD_AUTOTUNE_LOG="),
+])
+def test_rank_0_refuses_output_files_it_cannot_write(tmp_path, knobs, problem):
+    from horovod.base.config import EnvVarError, read_runtime_config
+    from horovod.runtime.engine import check_output_files
+
+    config = read_runtime_config({k: v.format(tmp=tmp_path) for k, v in knobs.items()})
+    with pytest.raises(EnvVarError) as e:
+        check_output_files(config, rank=0)
+    assert str(e.value).startswith(problem.format(tmp=tmp_path))
+    check_output_files(config, rank=1)  # only rank 0 writes them
+    for fine in ({"HOROVOD_TIMELINE": "DYNAMIC"}, {"HOROVOD_TIMELINE": str(tmp_path / "t.json")},
+                 {"HOROVOD_AUTOTUNE_LOG": str(tmp_path / "no" / "a.csv")}):  # the log is not used without autotune
+        check_output_files(read_runtime_config(fine), rank=0)

@@ -197,6 +197,41 @@ def test_rank_exiting_early_fails_the_next_collective(tmp_path):
     assert code == 0
 
 
+def test_forked_child_of_a_rank_fails_at_once_and_leaves_the_rank_working(tmp_path):
+    """A DataLoader worker (fork) that calls a collective: the child has the engine's state but not its threads,
+    so the op waited forever (the loader with it).  Now it fails at once; the child exits normally (atexit) and
+    the rank's own channels keep working."""
+    body = """
+        hvd.init()
+        hvd.allreduce(np.ones(2), name="before.fork")
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            t0 = time.monotonic()
+            try:
+                hvd.allreduce(np.ones(2), name="in.child")
+                text = "no error"
+            except RuntimeError as e:
+                text = f"{e} after {time.monotonic() - t0:.1f} s; rank {hvd.rank()} of {hvd.size()}"
+            os.write(write, text.encode())
+            sys.exit(0)  # a normal exit: atexit's shutdown() must not touch the rank's channels
+        os.close(write)
+        child = os.read(read, 4096).decode()
+        os.waitpid(pid, 0)
+        got = hvd.allreduce(np.full(2, hvd.rank() + 1.0), op=hvd.Sum, name="after.fork")
+        report(child=child, after=got.tolist())
+    """
+    code, out = _run(tmp_path, 2, body, timeout=60.0)
+    reports = _reports(tmp_path, 2)
+    assert code == 0, out
+    for rank in (0, 1):
+        child = reports[rank]["child"]
+        assert child.startswith(f"Horovod operations cannot run in a process forked from a Horovod rank (this "
+                                f"process was forked from rank {rank}, pid "), child
+        assert child.endswith(f"after 0.0 s; rank {rank} of 2"), child
+        assert reports[rank]["after"] == [3.0, 3.0]
+
+
 def _timeline_records(path):
     with open(path) as f:
         return json.load(f)

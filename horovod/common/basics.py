@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import logging
+import os
 import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -110,6 +111,16 @@ def init(comm=None, process_sets: Sequence[ProcessSet] | str | None = None) -> N
         if not _atexit_registered:
             atexit.register(shutdown)
             _atexit_registered = True
+
+
+def _orphan_engine_in_forked_child() -> None:
+    """``os.fork()`` in a rank (DataLoader workers): the child's engine has none of the threads that run it."""
+    engine = _engine
+    if engine is not None:
+        engine.orphan_after_fork(os.getppid())
+
+
+os.register_at_fork(after_in_child=_orphan_engine_in_forked_child)
 
 
 def generation() -> int:

@@ -203,6 +203,7 @@ class Engine:
         self._tuner = self._make_tuner() if config.autotune and self.rank == 0 else None
         self.stopped = threading.Event()
         self._exited = False  # stopped.is_set() without a call, on the enqueue path
+        self._forked_from: int | None = None  # set in a forked child (orphan_after_fork)
         self._spin_time = max(0.0, config.spin_wait_us) * 1e-6
         self._spin_skip = 0  # waits left before a driving caller spins again (see _spin)
         self._spin_backoff = 1
@@ -242,8 +243,8 @@ class Engine:
 
         Raises ValueError for a name already in flight, ShutdownError once the engine has stopped.
         """
-        if self.stopped.is_set():
-            raise ShutdownError(self._shutdown_message())
+        if self.stopped.is_set() or self._forked_from is not None:
+            self._raise_stopped()
         queue = self.queue
         entries = [TensorEntry(req, tensor, output, queue) for req, tensor, output in items]
         duplicate = queue.push(entries)
@@ -258,7 +259,7 @@ class Engine:
         waits for it right away (see :meth:`TensorQueue.push_one`).  ``send_now``: another thread will wait
         for it, and the request leaves from this one now (see :meth:`_send_now`)."""
         if self._exited:
-            raise ShutdownError(self._shutdown_message())
+            self._raise_stopped()
         entry = TensorEntry(request, tensor, output, self.queue, not (wake or send_now))
         if self.queue.push_one(entry, wake and not send_now) is not None:
             raise ValueError(DUPLICATE_NAME_MESSAGE)
@@ -268,8 +269,24 @@ class Engine:
             self._send_now()
         return entry
 
+    def orphan_after_fork(self, parent: int) -> None:
+        """In a child forked from this rank (a DataLoader worker, ``os.fork()``): the child has the engine's state
+        but none of its threads, and shares its sockets with the rank.  Operations fail at once instead of
+        waiting forever, and nothing is ever sent or closed from here (see :meth:`shutdown`)."""
+        self._forked_from = parent
+        self._exited = True  # (no Event or lock is touched: another thread of the rank may have held it)
+
+    def _raise_stopped(self) -> None:
+        if self._forked_from is not None:
+            raise RuntimeError(f"Horovod operations cannot run in a process forked from a Horovod rank (this "
+                               f"process was forked from rank {self.rank}, pid {self._forked_from}, e.g. a "
+                               f"DataLoader worker): run the collective in the rank itself")
+        raise ShutdownError(self._shutdown_message())
+
     def shutdown(self, reason: str | None = None, timeout: float = 30.0) -> None:
         """Ask the job to shut down and wait for this engine's thread to finish."""
+        if self._forked_from is not None:
+            return  # the rank owns the channels and segments
         if not self._thread.is_alive():
             self._finish_resources()
             return

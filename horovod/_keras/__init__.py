@@ -95,6 +95,36 @@ def is_distributed_optimizer(optimizer: Any) -> bool:
     return type(optimizer) in _bases
 
 
+def _reduces_across_ranks(optimizer: Any) -> bool:
+    """A DistributedOptimizer, also inside Keras' LossScaleOptimizer (mixed_float16 wraps the one compiled)."""
+    while optimizer is not None:
+        if is_distributed_optimizer(optimizer):
+            return True
+        optimizer = getattr(optimizer, "inner_optimizer", None)
+    return False
+
+
+def _keep_auto_jit_off() -> None:
+    """Keras 3 compiles train steps with XLA by default where a GPU is visible (``jit_compile="auto"``), and
+    Horovod's collectives cannot run inside XLA: "auto" resolves to False for a model whose optimizer is a
+    DistributedOptimizer (an explicit ``jit_compile=True`` gets the bridge's error naming jit_compile)."""
+    try:
+        from keras.src.trainers.trainer import Trainer
+    except ImportError:  # another Keras layout: the bridge's error still explains what to do
+        return
+    original = getattr(Trainer, "_resolve_auto_jit_compile", None)
+    if original is None or getattr(original, "_horovod", False):
+        return
+
+    def _resolve_auto_jit_compile(self):
+        if _reduces_across_ranks(getattr(self, "optimizer", None)):
+            return False
+        return original(self)
+
+    _resolve_auto_jit_compile._horovod = True  # type: ignore[attr-defined]
+    Trainer._resolve_auto_jit_compile = _resolve_auto_jit_compile
+
+
 def _reducer(compression, sparse_as_dense, gradient_predivide_factor, op, num_groups, groups, process_set,
              scale_local_gradients, name) -> GradientReducer:
     if op not in (_mpi_ops.Average, _mpi_ops.Sum):
@@ -131,6 +161,7 @@ def create_distributed_optimizer(keras, optimizer, name: str | None = None, devi
                              " not both.")
         config["gradient_accumulation_steps"] = backward_passes_per_step
     new = _distributed_class(base).from_config(config)
+    _keep_auto_jit_off()
     object.__setattr__(new, "_hvd_reducer", reducer)
     object.__setattr__(new, "_hvd_sum_accumulated", backward_passes_per_step > 1 and not average_aggregated_gradients)
     return new
@@ -144,6 +175,7 @@ def make_distributed_inplace(optimizer, **kwargs) -> Any:
                        True, f"Distributed{type(optimizer).__name__}_")
     object.__setattr__(optimizer, "__class__", _distributed_class(type(optimizer)))
     object.__setattr__(optimizer, "_hvd_reducer", reducer)
+    _keep_auto_jit_off()
     return optimizer
 
 
@@ -200,5 +232,8 @@ def load_model(keras, filepath, custom_optimizers=None, custom_objects=None, com
     opt = getattr(model, "optimizer", None)
     if opt is not None and isinstance(opt, keras.optimizers.Optimizer):
         make_distributed_inplace(opt, compression=compression)
+        if getattr(model, "jit_compile", False):  # resolved while loading, before the optimizer reduced
+            model.jit_compile = False
+            model.train_function = None
     return model
 

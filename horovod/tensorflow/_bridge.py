@@ -71,6 +71,23 @@ _plain = tf.autograph.experimental.do_not_convert
 closures were created by code AutoGraph converted: converted code would convert the engine on every call."""
 
 
+XLA_MESSAGE = ("{name}: Horovod's TensorFlow collectives run in Python and cannot be compiled by XLA; this one is "
+               "inside an XLA-compiled function (tf.function(jit_compile=True), or a Keras model compiled with "
+               "jit_compile=True): use jit_compile=False there (Keras' default 'auto' already does so for a model "
+               "whose optimizer is a hvd.DistributedOptimizer)")
+
+
+def refuse_xla(name: str) -> None:
+    """Raise at trace time when the graph being built is XLA-compiled: a ``numpy_function`` there fails only
+    when the step runs, with an XLA error that names neither Horovod nor jit_compile."""
+    try:
+        from tensorflow.python.ops import control_flow_util
+    except ImportError:  # a TensorFlow without this helper: XLA reports it itself
+        return
+    if control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()):
+        raise ValueError(XLA_MESSAGE.format(name=name))
+
+
 def _wrap(fn: Callable):
     fn = _plain(fn)
 
@@ -186,6 +203,7 @@ def run_collective(submit: Submit, inputs: Sequence[tf.Tensor], out_dtypes: Sequ
             raise to_tf_error(e) from e
         return [tf.convert_to_tensor(np.asarray(o, dtype=d)) for o, d in zip(outs, np_dtypes)]
 
+    refuse_xla(name)
     if _queue_path():
         return _receive_in_function(submit, inputs, out_dtypes, np_dtypes, name, owned)
     return _receive_in_session(submit, inputs, out_dtypes, np_dtypes, name)

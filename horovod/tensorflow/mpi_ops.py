@@ -609,6 +609,7 @@ def barrier(process_set: ProcessSet = global_process_set):
 def _int_op(fn, name: str | None) -> tf.Tensor:
     if tf.executing_eagerly():
         return tf.constant(fn(), dtype=tf.int32)
+    _bridge.refuse_xla(name or "HorovodRank")
     out = tf.numpy_function(lambda: np.int32(fn()), [], tf.int32, stateful=True, name=name)
     out.set_shape([])
     return out

@@ -242,3 +242,40 @@ def test_seed_examples_end_to_end(script):
         ok, detail = True, ""
     results = hvd.allgather_object((ok, detail))
     assert all(r[0] for r in results), results[0][1]
+
+
+def test_auto_jit_compile_stays_off_with_a_distributed_optimizer(monkeypatch):
+    """Keras 3 resolves jit_compile='auto' to XLA where a GPU is visible, and XLA cannot run Horovod's
+    collectives: with a DistributedOptimizer (also inside a LossScaleOptimizer) 'auto' means no XLA."""
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    gpu = type(cpu)(name="/physical_device:GPU:0", device_type="GPU")
+    monkeypatch.setattr(tf.config, "list_physical_devices", lambda kind=None: [cpu, gpu])
+
+    def resolved(optimizer):
+        model = make_model()
+        model.compile(optimizer=optimizer, loss="mse")  # jit_compile="auto"
+        return model.jit_compile
+
+    assert resolved(keras.optimizers.SGD(0.1)) is True  # what Keras does with a GPU: the case that matters
+    assert resolved(hvdk.DistributedOptimizer(keras.optimizers.SGD(0.1))) is False
+    scaled = keras.optimizers.LossScaleOptimizer(hvdk.DistributedOptimizer(keras.optimizers.SGD(0.1)))
+    assert resolved(scaled) is False
+
+
+def test_explicit_jit_compile_is_refused_naming_it():
+    """jit_compile=True failed when the step ran, with XLA's 'RET_CHECK failure ... is_initialized'."""
+    model = make_model()
+    model.compile(optimizer=hvdk.DistributedOptimizer(keras.optimizers.SGD(0.1)), loss="mse", jit_compile=True)
+    x, y = problem()
+    with pytest.raises(ValueError, match=r"cannot be compiled by XLA.*jit_compile=False"):
+        model.fit(x[:BATCH], y[:BATCH], epochs=1, verbose=0)
+
+    @tf.function(jit_compile=True)
+    def step(v):
+        return hvd.allreduce(v, name="xla.refused")
+
+    with pytest.raises(ValueError, match=r"HorovodAllreduce: Horovod's TensorFlow collectives run in Python"):
+        step(tf.ones(2))
+    with pytest.raises(ValueError, match="cannot be compiled by XLA"):
+        tf.function(lambda: hvd.rank_op(), jit_compile=True)()
+    np.testing.assert_allclose(hvd.allreduce(tf.ones(2), name="after.xla").numpy(), np.ones(2))

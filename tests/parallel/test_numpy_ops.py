@@ -269,6 +269,17 @@ def test_broadcast_object_and_allgather_object():
     assert gathered == [{"rank": r, "blob": "x" * (r * 1000)} for r in range(size)]
 
 
+def test_unnamed_object_collectives_with_none_on_some_ranks():
+    """The usual ``broadcast_object(x if rank == root else None)`` without a name: upstream named it after the
+    object's type (``dict.sz`` on the root, ``NoneType.sz`` elsewhere) and the job stalled."""
+    rank, size = rs()
+    for root in range(size):
+        state = {"epoch": 3, "root": root} if rank == root else None
+        assert hvd.broadcast_object(state, root) == {"epoch": 3, "root": root}
+    gathered = hvd.allgather_object(None if rank % 2 else [rank])  # different types on different ranks
+    assert gathered == [None if r % 2 else [r] for r in range(size)]
+
+
 def test_many_async_ops_then_synchronize():
     rank, size = rs()
     specs = [(i, (i % 7 + 1, 3), [np.float32, np.float64, np.int32][i % 3]) for i in range(120)]

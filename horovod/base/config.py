@@ -258,8 +258,8 @@ KNOBS: tuple[Knob, ...] = (
          "--gloo-timeout-seconds", int, "Seconds a peer may take inside a collective before the job fails.",
          "library_options.gloo_timeout_seconds"),
     Knob("mpi_threads_disable", "HOROVOD_MPI_THREADS_DISABLE", parse_bool, False,
-         "--mpi-threads-disable", bool, "Under MPI, ask for MPI_THREAD_SINGLE (the engine then makes every MPI "
-         "call from one thread).", "library_options.mpi_threads_disable", _bool_env),
+         "--mpi-threads-disable", bool, "Under MPI, initialise MPI with MPI_THREAD_SERIALIZED instead of "
+         "MPI_THREAD_MULTIPLE.", "library_options.mpi_threads_disable", _bool_env),
     Knob("num_nccl_streams", "HOROVOD_NUM_NCCL_STREAMS", _count("a number of streams", 1), 1,
          "--num-nccl-streams", int, "Upstream's NCCL streams per GPU; accepted, no effect without NCCL.",
          "library_options.num_nccl_streams"),

@@ -157,7 +157,7 @@ def shutdown() -> None:
     with _lock:
         engine = _engine
         _initialized = False
-        if engine is None:
+        if engine is None or engine.forked_from is not None:  # a forked child: the rank owns all of it
             return
         engine.shutdown()
         for ps in _static_sets:

@@ -276,6 +276,11 @@ class Engine:
         self._forked_from = parent
         self._exited = True  # (no Event or lock is touched: another thread of the rank may have held it)
 
+    @property
+    def forked_from(self) -> int | None:
+        """The rank's pid in a process forked from it (see :meth:`orphan_after_fork`), else None."""
+        return self._forked_from
+
     def _raise_stopped(self) -> None:
         if self._forked_from is not None:
             raise RuntimeError(f"Horovod operations cannot run in a process forked from a Horovod rank (this "

@@ -210,7 +210,7 @@ def _check_config_keys(config: Mapping[str, Any], filename: str) -> None:
     sections = {key.split(".", 1)[0] for key in known}
     unknown = []
     for top, value in config.items():
-        if top == "controller":
+        if top == "controller" or (top in sections and value is None):  # an empty section
             continue
         if top not in sections:
             unknown.append(str(top))

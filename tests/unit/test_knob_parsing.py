@@ -424,6 +424,12 @@ def test_config_file_refuses_unknown_keys(tmp_path, text, problem):
         parse_args(["-np", "1", "--config-file", str(path), "true"])
 
 
+def test_config_file_with_an_empty_section(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("params:\nlogging:\n  level: debug\n")
+    assert parse_args(["-np", "1", "--config-file", str(path), "true"]).knob_env() == {"HOROVOD_LOG_LEVEL": "DEBUG"}
+
+
 def test_upstream_library_flags_and_keys_are_knobs(tmp_path):
     """Scripts written for upstream pass --mpi-threads-disable, --num-nccl-streams, --thread-affinity and
     --[no-]torus-allreduce (or the config file's keys): each becomes its variable, as upstream exports it."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import re
 import sys
 
 import cloudpickle
@@ -285,6 +286,15 @@ def test_fit_transform_output_types_and_save_load(frame, tmp_path):
         FakeEstimator(model=W, store=store, num_proc=2, backend=RecordingBackend(), label_cols=labels).fit(frame)
     with pytest.raises(ValueError, match="Model parameter is required"):
         FakeEstimator(store=store, backend=RecordingBackend(), label_cols=labels).fit(frame)
+    for bad, problem in ((dict(batch_size=0), "batch_size must be >= 1, got 0"),
+                         (dict(val_batch_size=-2), "val_batch_size must be >= 1, got -2"),
+                         (dict(epochs=-1), "epochs must be >= 0, got -1"),
+                         (dict(train_steps_per_epoch=0), "train_steps_per_epoch must be >= 1, got 0")):
+        before = list(tmp_path.rglob("*"))  # refused before any data is written (the workers found it after)
+        with pytest.raises(ValueError, match=re.escape(problem)):
+            FakeEstimator(model=W, store=store, backend=RecordingBackend(), feature_cols=["x"], label_cols=labels,
+                          **bad).fit(frame)
+        assert list(tmp_path.rglob("*")) == before
     estimator = FakeEstimator(model=W, store=store, backend=RecordingBackend(), feature_cols=["x"],
                               label_cols=labels, validation=0.2, run_id="fake_run")
     model = estimator.fit(frame.drop("is_val"))

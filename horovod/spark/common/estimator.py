@@ -97,6 +97,11 @@ class HorovodEstimator(Estimator, EstimatorParams):
             raise ValueError("Model parameter is required")
         if self.getStore() is None:
             raise ValueError("Store parameter is required (e.g. store=Store.create('/shared/path'))")
+        for name, minimum in (("batch_size", 1), ("val_batch_size", 1), ("epochs", 0),
+                              ("train_steps_per_epoch", 1), ("validation_steps_per_epoch", 1)):
+            value = self.getOrDefault(name) if self.hasParam(name) else None
+            if value is not None and value < minimum:  # found by the workers only after the data is written
+                raise ValueError(f"{name} must be >= {minimum}, got {value}")
         if self.getShufflingBufferSize() is not None:
             logger.warning("horovod.spark: shuffle_buffer_size is deprecated and ignored; each rank shuffles its "
                            "shard every epoch (shuffle=True)")

@@ -155,6 +155,9 @@ class JobSpec:
             raise ValueError("No command given: horovodrun -np N <command> [args...]")
         if self.start_timeout_seconds() == 0:
             raise ValueError("start_timeout=0 must be > 0 (seconds the workers may take to meet)")
+        if self.output_filename and os.path.exists(self.output_filename) and not os.path.isdir(self.output_filename):
+            raise ValueError(f"--output-filename {self.output_filename}: not a directory (each rank writes "
+                             f"<dir>/rank.<N>/stdout and stderr)")
         if self.is_elastic() and self.elastic_timeout_seconds() == 0:
             raise ValueError("elastic_timeout=0 must be > 0 (seconds to wait for enough slots)")
 

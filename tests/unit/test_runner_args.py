@@ -93,6 +93,14 @@ def test_validate_errors():
     parse_args(["--min-np", "2", "-H", "a:1,b:1", "true"]).check()   # elastic: -np not needed
 
 
+def test_output_filename_that_is_a_file_is_refused_before_starting(tmp_path):
+    afile = tmp_path / "out"
+    afile.write_text("x")
+    with pytest.raises(ValueError, match=f"--output-filename {afile}: not a directory"):
+        parse_args(["-np", "2", "--output-filename", str(afile), "true"]).check()
+    parse_args(["-np", "2", "--output-filename", str(tmp_path / "new"), "true"]).check()  # created later
+
+
 CONFIG = """\
 # horovodrun config
 controller: mpi

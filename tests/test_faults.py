@@ -232,6 +232,33 @@ def test_forked_child_of_a_rank_fails_at_once_and_leaves_the_rank_working(tmp_pa
         assert reports[rank]["after"] == [3.0, 3.0]
 
 
+def test_a_child_with_a_ranks_environment_cannot_join_as_that_rank(tmp_path):
+    """A 'spawn'/'forkserver' DataLoader worker re-running an unguarded main module calls hvd.init() with its
+    rank's environment: it joined the running job's store as a second copy of the rank, and the job broke
+    after the start timeout.  Now the copy fails at once, naming the fix, and the rank goes on."""
+    body = """
+        hvd.init()
+        import subprocess
+        t0 = time.monotonic()
+        child = subprocess.run([sys.executable, "-c", "import horovod.numpy as hvd; hvd.init()"],
+                               capture_output=True, text=True, timeout=60)
+        elapsed = time.monotonic() - t0
+        got = hvd.allreduce(np.full(2, hvd.rank() + 1.0), op=hvd.Sum, name="after.child")
+        report(code=child.returncode, err=child.stderr[-1500:], elapsed=elapsed, after=got.tolist(), pid=os.getpid())
+    """
+    code, out = _run(tmp_path, 2, body, timeout=60.0)
+    reports = _reports(tmp_path, 2)
+    assert code == 0, out
+    for rank in (0, 1):
+        r = reports[rank]
+        assert r["code"] != 0, r
+        assert (f"has the environment of rank {rank}, which process {r['pid']} already initialized: a second "
+                "process cannot join the job as the same rank") in r["err"], r["err"]
+        assert "if __name__ == '__main__':" in r["err"]
+        assert r["elapsed"] < 20.0  # an interpreter start and an import, not the 30 s start timeout
+        assert r["after"] == [3.0, 3.0]
+
+
 def _timeline_records(path):
     with open(path) as f:
         return json.load(f)

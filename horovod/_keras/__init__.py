@@ -11,6 +11,7 @@ reloads as the plain optimizer without Horovod installed.
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any
 
@@ -104,25 +105,45 @@ def _reduces_across_ranks(optimizer: Any) -> bool:
     return False
 
 
-def _keep_auto_jit_off() -> None:
-    """Keras 3 compiles train steps with XLA by default where a GPU is visible (``jit_compile="auto"``), and
-    Horovod's collectives cannot run inside XLA: "auto" resolves to False for a model whose optimizer is a
-    DistributedOptimizer (an explicit ``jit_compile=True`` gets the bridge's error naming jit_compile)."""
+def _adapt_trainer() -> None:
+    """Two Keras 3 changes that broke upstream's scripts, undone for models whose optimizer is a
+    DistributedOptimizer (installed when this module is imported, before any model binds ``compile``;
+    other models see Keras unchanged):
+
+    * ``jit_compile="auto"`` (the default) means XLA wherever a GPU is visible, and Horovod's collectives
+      cannot run inside XLA: "auto" resolves to False (an explicit ``jit_compile=True`` gets the bridge's
+      error naming jit_compile);
+    * ``compile(..., experimental_run_tf_function=False)``, which upstream's examples and docs tell every
+      Keras user to pass, is a ``TypeError`` in Keras 3: it is dropped, since what it asked for (gradients
+      through the optimizer's own path) is all Keras 3 does.
+    """
     try:
         from keras.src.trainers.trainer import Trainer
     except ImportError:  # another Keras layout: the bridge's error still explains what to do
         return
-    original = getattr(Trainer, "_resolve_auto_jit_compile", None)
-    if original is None or getattr(original, "_horovod", False):
+    original_resolve = getattr(Trainer, "_resolve_auto_jit_compile", None)
+    if original_resolve is None or getattr(original_resolve, "_horovod", False):
         return
+    original_compile = Trainer.compile
 
     def _resolve_auto_jit_compile(self):
         if _reduces_across_ranks(getattr(self, "optimizer", None)):
             return False
-        return original(self)
+        return original_resolve(self)
+
+    @functools.wraps(original_compile)
+    def compile(self, *args, **kwargs):
+        if "experimental_run_tf_function" in kwargs and _reduces_across_ranks(
+                kwargs.get("optimizer", args[0] if args else None)):
+            del kwargs["experimental_run_tf_function"]
+        return original_compile(self, *args, **kwargs)
 
     _resolve_auto_jit_compile._horovod = True  # type: ignore[attr-defined]
     Trainer._resolve_auto_jit_compile = _resolve_auto_jit_compile
+    Trainer.compile = compile
+
+
+_adapt_trainer()
 
 
 def _reducer(compression, sparse_as_dense, gradient_predivide_factor, op, num_groups, groups, process_set,
@@ -161,7 +182,6 @@ def create_distributed_optimizer(keras, optimizer, name: str | None = None, devi
                              " not both.")
         config["gradient_accumulation_steps"] = backward_passes_per_step
     new = _distributed_class(base).from_config(config)
-    _keep_auto_jit_off()
     object.__setattr__(new, "_hvd_reducer", reducer)
     object.__setattr__(new, "_hvd_sum_accumulated", backward_passes_per_step > 1 and not average_aggregated_gradients)
     return new
@@ -175,7 +195,6 @@ def make_distributed_inplace(optimizer, **kwargs) -> Any:
                        True, f"Distributed{type(optimizer).__name__}_")
     object.__setattr__(optimizer, "__class__", _distributed_class(type(optimizer)))
     object.__setattr__(optimizer, "_hvd_reducer", reducer)
-    _keep_auto_jit_off()
     return optimizer
 
 

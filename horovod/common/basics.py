@@ -68,6 +68,7 @@ def init(comm=None, process_sets: Sequence[ProcessSet] | str | None = None) -> N
     with _lock:
         if _initialized:
             return
+        bootstrap.refuse_a_copy_of_a_rank()
         _generation += 1
         gen = _generation
         config = read_runtime_config()
@@ -102,6 +103,7 @@ def init(comm=None, process_sets: Sequence[ProcessSet] | str | None = None) -> N
             for name, members in _timeline_rows.items():
                 engine.timeline.show_as(name, members)
         engine.start()
+        bootstrap.claim_rank()
         _engine = engine
         _mpi = mpi
         _static_sets = sets

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import socket
 import threading
 import time
@@ -20,7 +21,8 @@ from horovod.base.config import is_set, read_env, start_timeout
 from horovod.runtime.engine import Topology
 from horovod.transport.communicator import PeerFailure
 
-__all__ = ["topology_from_env", "topology_from_mpi", "use_mpi", "mpi_job", "elastic_mesh", "build_mesh",
+__all__ = ["refuse_a_copy_of_a_rank", "claim_rank",
+           "topology_from_env", "topology_from_mpi", "use_mpi", "mpi_job", "elastic_mesh", "build_mesh",
            "join_torchrun", "GenerationMismatch"]
 
 log = logging.getLogger(__name__)
@@ -41,6 +43,59 @@ def topology_from_env() -> Topology:
                              "unset them to run a single process)")
         layout[kind.lower() + "rank"], layout[kind.lower() + "size"] = rank, size
     return Topology(**layout, hostname=read_env("HOROVOD_HOSTNAME") or socket.gethostname())
+
+
+# "<pid> <slot>" of the process that last initialized as the launcher slot <slot>, inherited by its children.
+RANK_OWNER_ENV = "_HOROVOD_RANK_OWNER"
+
+
+def _slot() -> str | None:
+    """This process's place in its launch, from the raw environment: rendezvous store, host, local rank
+    (None without a rendezvous: a single process, or MPI)."""
+    env = os.environ
+    addr, port = env.get("HOROVOD_GLOO_RENDEZVOUS_ADDR"), env.get("HOROVOD_GLOO_RENDEZVOUS_PORT")
+    if not addr or not port:
+        return None
+    return f"{addr}:{port}/{env.get('HOROVOD_HOSTNAME', '')}/{env.get('HOROVOD_LOCAL_RANK', '')}"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def refuse_a_copy_of_a_rank() -> None:
+    """``init()`` in a process that inherited a live rank's whole environment (a ``spawn``/``forkserver``
+    DataLoader or multiprocessing worker re-running an unguarded main module, a forked child) would join the
+    job as a second copy of that rank: the store's keys of the running job answer it, and the job broke
+    after the start timeout with errors that named neither process.
+
+    Raises:
+        RuntimeError: naming both processes and the ``__main__`` guard.
+    """
+    slot, owner = _slot(), os.environ.get(RANK_OWNER_ENV, "")
+    pid, _, owner_slot = owner.partition(" ")
+    if slot is None or owner_slot != slot or not pid.isdigit() or int(pid) == os.getpid() or not _alive(int(pid)):
+        return
+    rank = os.environ.get("HOROVOD_RANK", "?")
+    raise RuntimeError(
+        f"Horovod initialization failed: this process (pid {os.getpid()}) has the environment of rank {rank}, "
+        f"which process {pid} already initialized: a second process cannot join the job as the same rank. A "
+        "DataLoader or multiprocessing worker started with 'spawn' or 'forkserver' runs the main module again: "
+        "put the training code under `if __name__ == '__main__':`, and call hvd.init() only in the processes "
+        "the launcher started.")
+
+
+def claim_rank() -> None:
+    """Mark the environment as this process's, for :func:`refuse_a_copy_of_a_rank` in its children."""
+    slot = _slot()
+    if slot is not None:
+        os.environ[RANK_OWNER_ENV] = f"{os.getpid()} {slot}"
 
 
 def join_torchrun() -> None:

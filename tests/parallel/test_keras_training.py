@@ -140,7 +140,9 @@ def test_fit_equivalence(wrap):
     targets = np.concatenate([shard(y, s)[0] for s in range(STEPS)])
     if wrap == "optimizer":
         init = rank0_init(model)
-        model.compile(optimizer=hvdk.DistributedOptimizer(keras.optimizers.SGD(0.1)), loss="mse")
+        # as upstream's examples and docs have it (a TypeError in Keras 3 without our adaptation)
+        model.compile(optimizer=hvdk.DistributedOptimizer(keras.optimizers.SGD(0.1)), loss="mse",
+                      experimental_run_tf_function=False)
         callbacks = [hvdk.callbacks.BroadcastGlobalVariablesCallback(0), hvdk.callbacks.MetricAverageCallback()]
         model.fit(rows, targets, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=callbacks)
     else:
@@ -260,6 +262,16 @@ def test_auto_jit_compile_stays_off_with_a_distributed_optimizer(monkeypatch):
     assert resolved(hvdk.DistributedOptimizer(keras.optimizers.SGD(0.1))) is False
     scaled = keras.optimizers.LossScaleOptimizer(hvdk.DistributedOptimizer(keras.optimizers.SGD(0.1)))
     assert resolved(scaled) is False
+
+
+def test_experimental_run_tf_function_is_accepted_only_with_a_distributed_optimizer():
+    """Keras 2's compile argument that upstream's examples pass: without a DistributedOptimizer Keras 3's
+    TypeError stays (test_fit_equivalence trains with it)."""
+    with pytest.raises(TypeError, match="experimental_run_tf_function"):
+        make_model().compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", experimental_run_tf_function=False)
+    model = make_model()
+    model.compile(hvdk.DistributedOptimizer(keras.optimizers.SGD(0.1)), "mse", experimental_run_tf_function=False)
+    assert model.get_compile_config()["loss"] == "mse"
 
 
 def test_explicit_jit_compile_is_refused_naming_it():

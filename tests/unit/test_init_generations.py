@@ -191,3 +191,42 @@ def test_engine_wake_pipe_is_closed_once():
     finally:
         os.close(a)
         os.close(b)
+
+
+def _launch_env(monkeypatch, port="4000", local_rank="1"):
+    monkeypatch.setenv("HOROVOD_GLOO_RENDEZVOUS_ADDR", "127.0.0.1")
+    monkeypatch.setenv("HOROVOD_GLOO_RENDEZVOUS_PORT", port)
+    monkeypatch.setenv("HOROVOD_HOSTNAME", "localhost")
+    monkeypatch.setenv("HOROVOD_LOCAL_RANK", local_rank)
+    monkeypatch.setenv("HOROVOD_RANK", local_rank)
+
+
+def test_a_copy_of_a_live_rank_is_refused_and_other_processes_are_not(monkeypatch):
+    """Only a process whose launch slot a *live other* process initialized is refused: a new job (another
+    store port or slot), a dead owner, the owner itself (re-init, elastic) and a single process go on."""
+    import os
+    import subprocess
+    import sys
+
+    from horovod.common import bootstrap
+
+    monkeypatch.delenv(bootstrap.RANK_OWNER_ENV, raising=False)  # restored to absent afterwards
+    _launch_env(monkeypatch)
+    bootstrap.claim_rank()  # this process initialized the slot: its own re-init is fine
+    bootstrap.refuse_a_copy_of_a_rank()
+    owner = os.environ[bootstrap.RANK_OWNER_ENV]
+    assert owner.split(" ")[0] == str(os.getpid())
+    # a live other process (the parent of this one) owns the slot: refused, naming both pids and the fix
+    monkeypatch.setenv(bootstrap.RANK_OWNER_ENV, f"{os.getppid()} {owner.split(' ', 1)[1]}")
+    with pytest.raises(RuntimeError, match=rf"this process \(pid {os.getpid()}\) has the environment of rank 1, "
+                                           rf"which process {os.getppid()} already initialized.*__main__"):
+        bootstrap.refuse_a_copy_of_a_rank()
+    for other in (lambda: _launch_env(monkeypatch, port="4001"),  # another job's store
+                  lambda: _launch_env(monkeypatch, local_rank="0"),  # another slot
+                  lambda: monkeypatch.delenv("HOROVOD_GLOO_RENDEZVOUS_ADDR")):  # no launcher, or MPI
+        other()
+        bootstrap.refuse_a_copy_of_a_rank()
+        _launch_env(monkeypatch)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    monkeypatch.setenv(bootstrap.RANK_OWNER_ENV, f"{dead.stdout.strip()} {owner.split(' ', 1)[1]}")
+    bootstrap.refuse_a_copy_of_a_rank()  # the owner is gone: this process may take its place

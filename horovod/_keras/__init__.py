@@ -37,6 +37,35 @@ class CallableList(list):
         return list(self)
 
 
+def _callable_optimizer_variables() -> None:
+    """Keras 2 code calls ``optimizer.variables()`` (upstream's TF2 examples broadcast
+    ``opt.variables()`` after the first step), and Keras 3 made it a list property, so those scripts died with
+    "'list' object is not callable": every Keras optimizer's ``variables`` is a :class:`CallableList`
+    (Keras' base class and the classes that override it, such as ``LossScaleOptimizer``)."""
+    try:
+        from keras.src.optimizers.base_optimizer import BaseOptimizer
+    except ImportError:  # another Keras layout
+        return
+    pending, seen = [BaseOptimizer], set()
+    while pending:
+        cls = pending.pop()
+        if cls in seen:
+            continue
+        seen.add(cls)
+        pending.extend(cls.__subclasses__())
+        prop = cls.__dict__.get("variables")
+        if isinstance(prop, property) and not getattr(prop.fget, "_horovod", False):
+            cls.variables = property(_callable(prop.fget), doc=prop.__doc__)
+
+
+def _callable(fget):
+    def variables(self):
+        return CallableList(fget(self))
+
+    variables._horovod = True  # type: ignore[attr-defined]
+    return variables
+
+
 class _DistributedOptimizerMixin:
     """Placed before the wrapped optimizer class in the MRO; state lives in ``_hvd_reducer``."""
 
@@ -46,10 +75,6 @@ class _DistributedOptimizerMixin:
     @property
     def __class__(self):  # noqa: PLE0237 - serialisation and isinstance see the wrapped optimizer class
         return _wrapped_class(type(self))
-
-    @property
-    def variables(self):
-        return CallableList(super().variables)
 
     def register_local_var(self, var) -> None:
         """Keep ``var``'s gradient local to this rank (not reduced)."""
@@ -144,6 +169,7 @@ def _adapt_trainer() -> None:
 
 
 _adapt_trainer()
+_callable_optimizer_variables()
 
 
 def _reducer(compression, sparse_as_dense, gradient_predivide_factor, op, num_groups, groups, process_set,

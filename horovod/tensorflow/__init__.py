@@ -20,6 +20,9 @@ import logging
 
 import tensorflow as tf
 
+# Keras 3 adaptations that upstream's scripts need (``optimizer.variables()``, compile's
+# ``experimental_run_tf_function``); TensorFlow has imported Keras already.
+import horovod._keras  # noqa: F401
 from horovod.base.exceptions import HorovodInternalError, HostsUpdatedInterrupt
 from horovod.common.basics import (
     ccl_built,

@@ -37,11 +37,16 @@ class CallableList(list):
         return list(self)
 
 
-def _callable_optimizer_variables() -> None:
-    """Keras 2 code calls ``optimizer.variables()`` (upstream's TF2 examples broadcast
-    ``opt.variables()`` after the first step), and Keras 3 made it a list property, so those scripts died with
-    "'list' object is not callable": every Keras optimizer's ``variables`` is a :class:`CallableList`
-    (Keras' base class and the classes that override it, such as ``LossScaleOptimizer``)."""
+def _keras2_optimizer_spelling() -> None:
+    """Two Keras 2 spellings that upstream's examples use and Keras 3 dropped, so those scripts died with
+    "'list' object is not callable" or an AttributeError:
+
+    * ``optimizer.variables()`` (the TF2 examples broadcast a plain optimizer's ``opt.variables()`` after the
+      first step): every Keras optimizer's ``variables`` is a :class:`CallableList` (Keras' base class and
+      the classes that override it, such as ``LossScaleOptimizer``);
+    * ``optimizer.lr`` (the elastic examples' reset callbacks ``set_value(optimizer.lr, ...)``): an alias
+      of ``learning_rate``, as it was in Keras 2 (see :func:`_lr`).
+    """
     try:
         from keras.src.optimizers.base_optimizer import BaseOptimizer
     except ImportError:  # another Keras layout
@@ -56,6 +61,18 @@ def _callable_optimizer_variables() -> None:
         prop = cls.__dict__.get("variables")
         if isinstance(prop, property) and not getattr(prop.fget, "_horovod", False):
             cls.variables = property(_callable(prop.fget), doc=prop.__doc__)
+    if not hasattr(BaseOptimizer, "lr"):
+        BaseOptimizer.lr = property(_lr, lambda self, value: setattr(self, "learning_rate", value),
+                                    doc="Keras 2's name of ``learning_rate``.")
+
+
+def _lr(optimizer):
+    """``learning_rate``, a Keras variable as the backend's own variable: ``tf.keras.backend.set_value`` (Keras'
+    legacy shim, which upstream's examples call) fails on Keras 3's variables and works on TensorFlow's."""
+    from keras.src.backend import Variable
+
+    rate = optimizer.learning_rate
+    return rate.value if isinstance(rate, Variable) else rate
 
 
 def _callable(fget):
@@ -169,7 +186,7 @@ def _adapt_trainer() -> None:
 
 
 _adapt_trainer()
-_callable_optimizer_variables()
+_keras2_optimizer_spelling()
 
 
 def _reducer(compression, sparse_as_dense, gradient_predivide_factor, op, num_groups, groups, process_set,

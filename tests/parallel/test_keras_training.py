@@ -276,6 +276,17 @@ def test_experimental_run_tf_function_is_accepted_only_with_a_distributed_optimi
     assert model.get_compile_config()["loss"] == "mse"
 
 
+def test_keras2_optimizer_spelling_of_upstreams_examples():
+    """``opt.variables()`` and ``set_value(opt.lr, ...)`` (Keras 2) on plain Keras 3 optimizers."""
+    for opt in (keras.optimizers.Adam(0.1), keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1)),
+                hvdk.DistributedOptimizer(keras.optimizers.SGD(0.1))):
+        assert opt.variables() == opt.variables and isinstance(opt.variables, list)
+        tf.keras.backend.set_value(opt.lr, 0.25 + hvd.rank())
+        assert np.isclose(float(opt.learning_rate), 0.25 + hvd.rank())
+        opt.lr = 0.5
+        assert np.isclose(float(tf.keras.backend.get_value(opt.lr)), 0.5)
+
+
 def test_explicit_jit_compile_is_refused_naming_it():
     """jit_compile=True failed when the step ran, with XLA's 'RET_CHECK failure ... is_initialized'."""
     model = make_model()

@@ -24,7 +24,7 @@ from horovod.runtime.messages import Request, RequestType
 __all__ = [
     "HorovodBasics", "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
     "cross_rank", "cross_size", "is_homogeneous", "mpi_threads_supported", "mpi_enabled", "mpi_built",
-    "gloo_enabled", "gloo_built", "nccl_built", "ddl_built", "ccl_built", "cuda_built", "rocm_built",
+    "gloo_enabled", "gloo_built", "nccl_built", "ddl_built", "ccl_built", "cuda_built", "rocm_built", "sycl_built",
     "start_timeline", "stop_timeline", "show_in_timeline_as", "engine", "process_set_ranks", "Average", "Sum",
     "Adasum", "Min", "Max", "Product",
 ]
@@ -267,6 +267,11 @@ def cuda_built() -> bool:
 
 
 def rocm_built() -> bool:
+    return False
+
+
+def sycl_built() -> bool:
+    """No SYCL (Intel GPU) support; upstream's newer examples call it to choose the device kind."""
     return False
 
 

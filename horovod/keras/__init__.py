@@ -34,6 +34,7 @@ from horovod.common.basics import (
     size,
     start_timeline,
     stop_timeline,
+    sycl_built,
 )
 from horovod.common.process_sets import global_process_set
 from horovod.keras import callbacks, elastic
@@ -46,7 +47,7 @@ __all__ = [
     "elastic",
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "cross_rank",
     "cross_size", "is_homogeneous", "mpi_threads_supported", "mpi_enabled", "mpi_built", "gloo_enabled",
-    "gloo_built", "nccl_built", "ddl_built", "ccl_built", "cuda_built", "rocm_built", "start_timeline",
+    "gloo_built", "nccl_built", "ddl_built", "ccl_built", "cuda_built", "rocm_built", "sycl_built", "start_timeline",
     "stop_timeline", "Average", "Sum", "Adasum", "Compression", "callbacks", "DistributedOptimizer",
     "PartialDistributedOptimizer", "DistributedModel", "broadcast_global_variables", "broadcast_variables",
     "allreduce", "allgather", "broadcast", "reducescatter", "load_model", "SyncBatchNormalization",

@@ -49,6 +49,7 @@ from horovod.common.basics import (
     size,
     start_timeline,
     stop_timeline,
+    sycl_built,
 )
 from horovod.common.handles import Group, HandleMap
 from horovod.common.objects import allgather_object, broadcast_object
@@ -57,7 +58,7 @@ from horovod.common.process_sets import ProcessSet, add_process_set, global_proc
 __all__ = [
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "cross_rank",
     "cross_size", "is_homogeneous", "mpi_threads_supported", "mpi_enabled", "mpi_built", "gloo_enabled",
-    "gloo_built", "nccl_built", "ddl_built", "ccl_built", "cuda_built", "rocm_built",
+    "gloo_built", "nccl_built", "ddl_built", "ccl_built", "cuda_built", "rocm_built", "sycl_built",
     "Average", "Sum", "Adasum", "Min", "Max", "Product", "HorovodInternalError",
     "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "grouped_allreduce",
     "grouped_allreduce_async", "allgather", "allgather_async", "grouped_allgather", "grouped_allgather_async",

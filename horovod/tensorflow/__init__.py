@@ -47,6 +47,7 @@ from horovod.common.basics import (
     size,
     start_timeline,
     stop_timeline,
+    sycl_built,
 )
 from horovod.common.process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
 from horovod.tensorflow.compression import Compression
@@ -94,7 +95,7 @@ from horovod.tensorflow.util import _executing_eagerly
 __all__ = [
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "cross_rank",
     "cross_size", "is_homogeneous", "mpi_threads_supported", "mpi_enabled", "mpi_built", "gloo_enabled",
-    "gloo_built", "nccl_built", "ddl_built", "ccl_built", "cuda_built", "rocm_built", "start_timeline",
+    "gloo_built", "nccl_built", "ddl_built", "ccl_built", "cuda_built", "rocm_built", "sycl_built", "start_timeline",
     "stop_timeline", "ProcessSet", "global_process_set", "add_process_set", "remove_process_set",
     "Average", "Sum", "Adasum", "Min", "Max", "Product", "Compression", "HorovodInternalError",
     "HostsUpdatedInterrupt", "allreduce", "grouped_allreduce", "allgather", "grouped_allgather", "broadcast",

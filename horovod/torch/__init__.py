@@ -37,6 +37,7 @@ from horovod.common.basics import (
     size,
     start_timeline,
     stop_timeline,
+    sycl_built,
 )
 from horovod.common.process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
 from horovod.torch import elastic
@@ -90,7 +91,7 @@ from horovod.torch.sync_batch_norm import SyncBatchNorm
 __all__ = [
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "cross_rank",
     "cross_size", "mpi_threads_supported", "mpi_enabled", "mpi_built", "gloo_enabled", "gloo_built",
-    "nccl_built", "ddl_built", "ccl_built", "cuda_built", "rocm_built", "start_timeline", "stop_timeline",
+    "nccl_built", "ddl_built", "ccl_built", "cuda_built", "rocm_built", "sycl_built", "start_timeline", "stop_timeline",
     "Average", "Sum", "Adasum", "Min", "Max", "Product", "HorovodInternalError", "Compression",
     "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "grouped_allreduce", "grouped_allreduce_",
     "grouped_allreduce_async", "grouped_allreduce_async_", "allgather", "allgather_async", "grouped_allgather",

@@ -55,6 +55,20 @@ def test_upstream_from_imports():
     from horovod.runner.util.threads import in_thread, on_event  # noqa: F401
 
 
+@pytest.mark.parametrize("front_end", ["horovod.numpy", "horovod.torch", "horovod.tensorflow",
+                                       "horovod.tensorflow.keras", "horovod.keras"])
+def test_front_ends_export_the_build_probes(front_end):
+    """Upstream's examples choose devices with these (newer ones: ``hvd.sycl_built()`` for Intel GPUs)."""
+    pytest.importorskip("torch" if front_end == "horovod.torch" else "numpy")
+    if "tensorflow" in front_end or "keras" in front_end:
+        pytest.importorskip("tensorflow")
+    mod = importlib.import_module(front_end)
+    probes = {"gloo_built": True, "mpi_built": basics.mpi_built(), "nccl_built": 0, "ddl_built": False,
+              "ccl_built": False, "cuda_built": False, "rocm_built": False, "sycl_built": False}
+    assert {name: getattr(mod, name)() for name in probes} == probes
+    assert set(probes) <= set(mod.__all__)
+
+
 # ------------------------------------------------------------------------------ horovod.common.util
 def test_env_sets_ignores_none_and_restores(monkeypatch):
     monkeypatch.setenv("HVD_TEST_KEEP", "old")

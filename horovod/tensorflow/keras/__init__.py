@@ -40,6 +40,7 @@ from horovod.common.basics import (
     size,
     start_timeline,
     stop_timeline,
+    sycl_built,
 )
 from horovod.common.process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
 from horovod.tensorflow import SyncBatchNormalization, broadcast_variables
@@ -51,7 +52,7 @@ __all__ = [
     "elastic",
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size", "cross_rank",
     "cross_size", "is_homogeneous", "mpi_threads_supported", "mpi_enabled", "mpi_built", "gloo_enabled",
-    "gloo_built", "nccl_built", "ddl_built", "ccl_built", "cuda_built", "rocm_built", "start_timeline",
+    "gloo_built", "nccl_built", "ddl_built", "ccl_built", "cuda_built", "rocm_built", "sycl_built", "start_timeline",
     "stop_timeline", "ProcessSet", "global_process_set", "add_process_set", "remove_process_set", "Average",
     "Sum", "Compression", "callbacks", "DistributedOptimizer", "PartialDistributedOptimizer",
     "DistributedModel", "broadcast_global_variables", "broadcast_variables", "allreduce", "allgather",

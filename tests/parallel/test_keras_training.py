@@ -20,6 +20,7 @@ import tensorflow as tf
 
 import horovod.tensorflow as hvd
 import horovod.tensorflow.keras as hvdk
+from horovod._keras import is_distributed_optimizer
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 STEPS, BATCH, FEATURES = 4, 8, 5
@@ -267,13 +268,16 @@ def test_auto_jit_compile_stays_off_with_a_distributed_optimizer(monkeypatch):
 
 
 def test_experimental_run_tf_function_is_accepted_only_with_a_distributed_optimizer():
-    """Keras 2's compile argument that upstream's examples pass: without a DistributedOptimizer Keras 3's
-    TypeError stays (test_fit_equivalence trains with it)."""
+    """Keras 2's compile argument that upstream's examples pass, with a DistributedOptimizer or in a
+    DistributedModel; without either Keras 3's TypeError stays (test_fit_equivalence trains with it)."""
     with pytest.raises(TypeError, match="experimental_run_tf_function"):
         make_model().compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", experimental_run_tf_function=False)
     model = make_model()
     model.compile(hvdk.DistributedOptimizer(keras.optimizers.SGD(0.1)), "mse", experimental_run_tf_function=False)
     assert model.get_compile_config()["loss"] == "mse"
+    model = hvdk.DistributedModel(make_model())  # wraps the plain optimizer before Keras sees the argument
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", experimental_run_tf_function=False)
+    assert is_distributed_optimizer(model.optimizer)
 
 
 def test_keras2_optimizer_spelling_of_upstreams_examples():

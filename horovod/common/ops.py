@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from horovod.base import adasum
 from horovod.base.reduce_ops import ReduceOp
 from horovod.common import basics
 from horovod.common.naming import auto_name
@@ -24,7 +25,7 @@ from horovod.transport.buffers import Pieces
 __all__ = [
     "handle_average_backwards_compatibility", "allreduce", "grouped_allreduce", "allgather",
     "grouped_allgather", "broadcast", "alltoall", "reducescatter", "grouped_reducescatter", "join", "barrier",
-    "auto_name", "Pieces",
+    "auto_name", "Pieces", "check_adasum",
 ]
 
 _OP_NAMES = {RequestType.ALLREDUCE: "Allreduce", RequestType.ALLGATHER: "Allgather",
@@ -69,12 +70,21 @@ def _enqueue(items: list[tuple[Request, np.ndarray | None, np.ndarray | None]]) 
 _PLAIN_OPS = frozenset((ReduceOp.AVERAGE, ReduceOp.SUM, ReduceOp.MIN, ReduceOp.MAX, ReduceOp.PRODUCT))
 
 
+def check_adasum(process_set: ProcessSet, dtype) -> None:
+    """Upstream's preconditions of an Adasum allreduce on CPU: the global set, a power-of-two number of
+    ranks (NotImplementedError with upstream's texts), a float dtype (ValueError)."""
+    if process_set is not global_process_set and process_set.process_set_id != 0:
+        raise NotImplementedError(adasum.NON_GLOBAL_SET)
+    adasum.check_size(basics.size())
+    adasum.check_dtype(dtype)
+
+
 def _check_op(op: int, rtype: int) -> None:
     if op in _PLAIN_OPS and rtype != RequestType.REDUCESCATTER:
         return
-    if op == ReduceOp.ADASUM:
-        raise NotImplementedError("The Adasum reduction is not supported by the built-in transport.")
-    if op not in _PLAIN_OPS:
+    if op == ReduceOp.ADASUM and rtype == RequestType.ALLREDUCE:
+        return  # check_adasum needs the set and dtype: the caller checks
+    if op not in _PLAIN_OPS and op != ReduceOp.ADASUM:
         raise ValueError(f"Unknown reduction op {op}")
     if rtype == RequestType.REDUCESCATTER and op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
         raise ValueError("Reducescatter currently only supports AVERAGE and SUM.")
@@ -100,6 +110,8 @@ def allreduce(tensor, output: np.ndarray | None = None, *, name: str | None = No
         ps_id, _ = _set_id(process_set, RequestType.ALLREDUCE)
         engine = basics.engine()
     arr = tensor if type(tensor) is np.ndarray or type(tensor) is Pieces else np.asarray(tensor)
+    if op == ReduceOp.ADASUM:
+        check_adasum(process_set, arr.dtype)
     req = Request(RequestType.ALLREDUCE, ps_id, name or auto_name("allreduce", ps_id), dtype_code(arr.dtype),
                   arr.shape, -1, op, float(prescale_factor), float(postscale_factor))
     return engine.enqueue_one(req, arr, output, wake, send_now)
@@ -113,6 +125,9 @@ def grouped_allreduce(tensors: Sequence, outputs: Sequence | None = None, *, nam
     arrays = [_array(t) for t in tensors]
     if _grouped and len({a.dtype for a in arrays}) > 1:
         raise ValueError("Tensors in a grouped allreduce must all have the same dtype.")
+    if op == ReduceOp.ADASUM:
+        for arr in arrays:
+            check_adasum(process_set, arr.dtype)
     base = name or auto_name("grouped_allreduce" if _grouped else "allreduce", ps_id)
     group_id = next(_group_ids) if _grouped and len(arrays) > 1 else -1
     items = []

@@ -31,8 +31,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from horovod.base.adasum import adasum_of
 from horovod.base.config import RuntimeConfig
-from horovod.base.reduce_ops import data_plane_op
+from horovod.base.reduce_ops import ReduceOp, data_plane_op
 from horovod.runtime.messages import Request, RequestType, Response, dtype_of
 from horovod.runtime.validation import build_response
 from horovod.transport.communicator import apply_reduce, reduce_into
@@ -438,6 +439,10 @@ class Coordinator:
                 parts.append(np.zeros(n, dtype) if d is None else np.frombuffer(d, dtype, n))
             return np.concatenate(parts)
 
+        if response.reduce_op == ReduceOp.ADASUM:
+            response.data = adasum_of([contribution(r) for r in ranks], counts, response.prescale,
+                                      response.postscale)
+            return
         acc = np.empty(total, dtype)
         if response.prescale == 1.0 and len(ranks) > 1:  # the common case: one ufunc call, no copy
             reduce_into(op, contribution(ranks[0]), contribution(ranks[1]), acc)

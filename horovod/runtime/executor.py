@@ -11,8 +11,9 @@ from collections.abc import Callable
 
 import numpy as np
 
+from horovod.base.adasum import adasum_of
 from horovod.base.exceptions import PreconditionError
-from horovod.base.reduce_ops import data_plane_op
+from horovod.base.reduce_ops import ReduceOp, data_plane_op
 from horovod.runtime.messages import RequestType, Response, dtype_of
 from horovod.runtime.queue import TensorEntry, TensorQueue
 from horovod.transport.buffers import Pieces
@@ -123,6 +124,8 @@ class Executor:
         dtype = dtype_of(resp.dtype)
         if resp.data is not None:  # reduced by the coordinator
             return self._inline_results(resp, entries, dtype)
+        if resp.reduce_op == ReduceOp.ADASUM:
+            return self._adasum(comm, resp, entries, timeline)
         op, postscale = data_plane_op(resp.reduce_op, resp.postscale, comm.size)
         act = timeline.begin if timeline is not None else None
         if len(entries) == 1:
@@ -175,6 +178,36 @@ class Executor:
             for name in resp.names:
                 timeline.end(name)
         return results
+
+    def _adasum(self, comm: Communicator, resp: Response, entries: list[TensorEntry | None],
+                timeline) -> list:
+        """Every member's buffer gathered, and the same Adasum tree run on each member (horovod.base.adasum):
+        bitwise the same result everywhere; the tree needs the whole vectors' dot products, not a ring."""
+        dtype = dtype_of(resp.dtype)
+        counts = [_numel(shape) for shape in resp.shapes]
+        total = sum(counts)
+        mine = np.empty(total, dtype)
+        offset = 0
+        for e, n in zip(entries, counts):
+            part = mine[offset:offset + n]
+            if e is None:
+                part[...] = 0
+            elif type(e.tensor) is Pieces:
+                e.tensor.concatenate(part)
+            else:
+                part[...] = e.tensor.reshape(-1)
+            offset += n
+        if timeline is not None:
+            for name in resp.names:
+                timeline.begin(name, "MPI_ADASUM_ALLREDUCE")
+        everyone = np.empty(total * comm.size, dtype)
+        comm.allgatherv(mine, everyone, [total] * comm.size)
+        result = adasum_of([everyone[i * total:(i + 1) * total] for i in range(comm.size)], counts,
+                           resp.prescale, resp.postscale)
+        if timeline is not None:
+            for name in resp.names:
+                timeline.end(name)
+        return self._split(result, resp.shapes, entries)
 
     @staticmethod
     def _split(buf: np.ndarray, shapes: list[tuple[int, ...]], entries: list[TensorEntry | None]) -> list:

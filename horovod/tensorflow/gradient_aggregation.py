@@ -17,7 +17,7 @@ from horovod.base.reduce_ops import predivide_scales
 from horovod.common import basics as _basics
 from horovod.common.process_sets import ProcessSet, global_process_set
 from horovod.tensorflow.compression import Compression
-from horovod.tensorflow.mpi_ops import Adasum, Average, Sum, _normalize_name, allreduce, grouped_allreduce
+from horovod.tensorflow.mpi_ops import Average, Sum, _normalize_name, allreduce, grouped_allreduce
 from horovod.tensorflow.util import split_list
 
 __all__ = ["GradientReducer", "check_reduce_args"]
@@ -27,8 +27,6 @@ def check_reduce_args(op: int, gradient_predivide_factor: float, groups, num_gro
     """Upstream's argument checks, with messages that name the argument."""
     if gradient_predivide_factor != 1.0 and op != Average:
         raise ValueError("gradient_predivide_factor not supported with op != Average")
-    if op == Adasum:
-        raise NotImplementedError("The Adasum reduction is not supported by the built-in transport.")
     if groups is not None:
         if not (isinstance(groups, list) or (isinstance(groups, int) and groups > 0)):
             raise ValueError("groups should be a non-negative integer or a list of list of tf.Variable.")

@@ -94,7 +94,8 @@ def _grouped_allreduce_raw(tensors: Sequence[tf.Tensor], *, op: int, prescale_fa
                            postscale_factor: float, name: str | None, process_set: ProcessSet,
                            grouped: bool) -> list[tf.Tensor]:
     tensors = [_as_tensor(t) for t in tensors]
-    if _direct_path(tensors):
+    # One flat engine tensor, unless Adasum must combine several tensors each on its own.
+    if _direct_path(tensors) and (op != Adasum or len(tensors) == 1):
         return _flat_allreduce(tensors, op=op, prescale_factor=prescale_factor, postscale_factor=postscale_factor,
                                name=name, process_set=process_set)
 
@@ -277,9 +278,9 @@ def allreduce(tensor, average: bool | None = None, device_dense: str = "", devic
         if post != 1.0:
             values = values * tf.cast(post, values.dtype)
         return tf.IndexedSlices(values, indices, dense_shape=tensor.dense_shape)
-    if op == Adasum:
-        raise NotImplementedError("The Adasum reduction is not supported by the built-in transport.")
     tensor = _as_tensor(tensor)
+    if op == Adasum:
+        _ops.check_adasum(process_set, tensor.dtype.as_numpy_dtype)
     compressed, ctx = compression.compress(tensor)
     reduced = _allreduce(compressed, name=name, op=op, prescale_factor=prescale_factor,
                          postscale_factor=postscale_factor, ignore_name_scope=ignore_name_scope,
@@ -304,9 +305,10 @@ def grouped_allreduce(tensors, average: bool | None = None, device_dense: str = 
                           postscale_factor=postscale_factor, process_set=process_set,
                           name=None if name is None else f"{name}_{i}", ignore_name_scope=ignore_name_scope)
                 for i, t in enumerate(tensors)]
-    if op == Adasum:
-        raise NotImplementedError("The Adasum reduction is not supported by the built-in transport.")
     tensors = [_as_tensor(t) for t in tensors]
+    if op == Adasum:
+        for t in tensors:
+            _ops.check_adasum(process_set, t.dtype.as_numpy_dtype)
     if len({t.dtype for t in tensors}) > 1:
         raise tf.errors.InvalidArgumentError(None, None,
                                              "Tensors in a grouped allreduce must all have the same dtype.")

@@ -204,6 +204,10 @@ def DistributedOptimizer(optimizer, name: str | None = None, use_locking: bool =
     if op == Adasum and average_aggregated_gradients:
         raise ValueError("Adasum does not support average_aggregated_gradients == True")
     if isinstance(optimizer, tf.compat.v1.train.Optimizer):
+        if op == Adasum:  # upstream reduces the deltas of a local step there (its _DistributedAdasumOptimizer)
+            raise NotImplementedError("op=hvd.Adasum with a tf.compat.v1.train optimizer is not supported here: "
+                                      "use DistributedGradientTape(tape, op=hvd.Adasum) (gradients reduced with "
+                                      "Adasum) or horovod.torch's DistributedOptimizer.")
         reducer = GradientReducer(compression=compression, sparse_as_dense=sparse_as_dense, op=op,
                                   gradient_predivide_factor=gradient_predivide_factor, num_groups=num_groups,
                                   groups=groups, process_set=process_set,

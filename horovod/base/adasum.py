@@ -1,0 +1,73 @@
+"""Adasum: the adaptive summation of gradients (Maleki et al., "Scaling Distributed Training with Adaptive
+Summation", MLSys 2021), upstream's ``hvd.Adasum`` reduction.
+
+Two gradients combine as ``(1 - a.b / (2 |a|^2)) a + (1 - a.b / (2 |b|^2)) b`` (a coefficient stays 1 when its
+vector's squared norm is below 1e-8): orthogonal gradients add up, parallel ones average.  Ranks combine in
+upstream's binary tree, neighbours ``(2i, 2i + 1)`` first, level by level, so the number of ranks must be a
+power of two; every tensor of a fused buffer is combined on its own.
+
+The data plane gathers every member's buffer and each member runs the same tree on the same bytes, so every
+rank gets bitwise the same result (upstream's vector-halving exchange computes the same tree in another order
+of float operations).  Dot products and norms accumulate in float64, as upstream's do.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+__all__ = ["combine", "tree", "adasum_of", "check_size", "check_dtype", "NON_POWER_OF_2", "NON_GLOBAL_SET"]
+
+NON_POWER_OF_2 = "Running Adasum with non-power of 2 ranks is not supported yet."
+NON_GLOBAL_SET = "Adasum does not support non-global process sets yet."
+_TINY = 1e-8
+_FLOATS = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
+
+
+def check_size(size: int) -> None:
+    """Raises NotImplementedError (upstream's text) unless ``size`` is a power of two."""
+    if size <= 0 or size & (size - 1):
+        raise NotImplementedError(NON_POWER_OF_2)
+
+
+def check_dtype(dtype) -> None:
+    """Raises ValueError unless ``dtype`` is one Adasum reduces (upstream's: float16, float32, float64)."""
+    if np.dtype(dtype) not in _FLOATS:
+        raise ValueError(f"The Adasum reduction supports float16, float32 and float64 tensors, not {np.dtype(dtype)}.")
+
+
+def combine(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """One pairwise Adasum step of two 1-D arrays of the same float dtype."""
+    a64, b64 = a.astype(np.float64, copy=False), b.astype(np.float64, copy=False)
+    dot, a2, b2 = float(np.dot(a64, b64)), float(np.dot(a64, a64)), float(np.dot(b64, b64))
+    ca = 1.0 - dot / (2.0 * a2) if a2 >= _TINY else 1.0
+    cb = 1.0 - dot / (2.0 * b2) if b2 >= _TINY else 1.0
+    return (ca * a64 + cb * b64).astype(a.dtype, copy=False)
+
+
+def tree(contributions: Sequence[np.ndarray], counts: Sequence[int]) -> np.ndarray:
+    """Every member's flat buffer (in set-rank order; tensors of ``counts`` elements, back to back) combined
+    tensor by tensor in upstream's tree: a new flat array of the same dtype."""
+    check_size(len(contributions))
+    out = np.empty_like(contributions[0])
+    offset = 0
+    for n in counts:
+        level = [c[offset:offset + n] for c in contributions]
+        while len(level) > 1:
+            level = [combine(level[i], level[i + 1]) for i in range(0, len(level), 2)]
+        out[offset:offset + n] = level[0]
+        offset += n
+    return out
+
+
+def adasum_of(contributions: Sequence[np.ndarray], counts: Sequence[int], prescale: float = 1.0,
+              postscale: float = 1.0) -> np.ndarray:
+    """The Adasum allreduce of the members' flat buffers, with upstream's order of scaling: each input by
+    ``prescale``, then the tree, then the result by ``postscale`` (in float64, stored in the dtype)."""
+    if prescale != 1.0:
+        contributions = [(c.astype(np.float64) * prescale).astype(c.dtype) for c in contributions]
+    out = tree(contributions, counts)
+    if postscale != 1.0:
+        out[...] = out.astype(np.float64) * postscale
+    return out

@@ -101,17 +101,17 @@ def allreduce(tensor, output: np.ndarray | None = None, *, name: str | None = No
     ``wake=False`` when the caller calls ``wait()`` right away: the waiting thread runs the engine's round
     itself, so waking the engine thread would only cost a thread hand-over.  ``send_now=True`` when another
     thread waits for it: the request leaves from this thread at once (see ``Engine._send_now``)."""
+    arr = tensor if type(tensor) is np.ndarray or type(tensor) is Pieces else np.asarray(tensor)
     if op not in _PLAIN_OPS:
         _check_op(op, RequestType.ALLREDUCE)
+        if op == ReduceOp.ADASUM:
+            check_adasum(process_set, arr.dtype)
     if process_set is global_process_set:  # always registered, every rank a member: no lookup
         engine = basics.engine()
         ps_id = 0
     else:
         ps_id, _ = _set_id(process_set, RequestType.ALLREDUCE)
         engine = basics.engine()
-    arr = tensor if type(tensor) is np.ndarray or type(tensor) is Pieces else np.asarray(tensor)
-    if op == ReduceOp.ADASUM:
-        check_adasum(process_set, arr.dtype)
     req = Request(RequestType.ALLREDUCE, ps_id, name or auto_name("allreduce", ps_id), dtype_code(arr.dtype),
                   arr.shape, -1, op, float(prescale_factor), float(postscale_factor))
     return engine.enqueue_one(req, arr, output, wake, send_now)
@@ -121,13 +121,13 @@ def grouped_allreduce(tensors: Sequence, outputs: Sequence | None = None, *, nam
                       op: int = ReduceOp.AVERAGE, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                       process_set: ProcessSet = global_process_set, _grouped: bool = True) -> list[Handle]:
     _check_op(op, RequestType.ALLREDUCE)
-    ps_id, _ = _set_id(process_set, RequestType.ALLREDUCE)
     arrays = [_array(t) for t in tensors]
-    if _grouped and len({a.dtype for a in arrays}) > 1:
-        raise ValueError("Tensors in a grouped allreduce must all have the same dtype.")
     if op == ReduceOp.ADASUM:
         for arr in arrays:
             check_adasum(process_set, arr.dtype)
+    ps_id, _ = _set_id(process_set, RequestType.ALLREDUCE)
+    if _grouped and len({a.dtype for a in arrays}) > 1:
+        raise ValueError("Tensors in a grouped allreduce must all have the same dtype.")
     base = name or auto_name("grouped_allreduce" if _grouped else "allreduce", ps_id)
     group_id = next(_group_ids) if _grouped and len(arrays) > 1 else -1
     items = []

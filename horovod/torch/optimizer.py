@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from horovod.base import adasum
 from horovod.base.config import read_env
 from horovod.base.reduce_ops import predivide_scales
 from horovod.common import basics
@@ -547,6 +548,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                                   allows accumulating gradients over multiple
                                   mini-batches before reducing and applying them.
         op: The reduction operation to use when combining gradients across different ranks.
+            ``hvd.Adasum`` reduces the deltas of each rank's own optimizer step instead (upstream's
+            Adasum optimizer, horovod/torch/adasum_optimizer.py).
         gradient_predivide_factor: If op == Average, gradient_predivide_factor splits the averaging
                                    before and after the sum. Gradients are scaled by
                                    1.0 / gradient_predivide_factor before the sum and
@@ -571,7 +574,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
 
     Raises:
         ValueError: for invalid arguments (the message names the argument).
-        NotImplementedError: for ``op=Adasum``, which the built-in transport does not provide.
+        NotImplementedError: ``op=Adasum`` on a process set other than the global one, or on a number of
+            ranks that is not a power of two (upstream's limits).
     """
     if gradient_predivide_factor != 1.0 and op != Average:
         raise ValueError("gradient_predivide_factor not supported with op != Average")
@@ -582,10 +586,16 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
                       DeprecationWarning, stacklevel=2)
         if groups is None:
             groups = num_groups
-    if op == Adasum:
-        raise NotImplementedError("The Adasum reduction is not supported by the built-in transport.")
     basics.engine()  # ValueError before init, as every collective
     if isinstance(optimizer, _DistributedOptimizer):
         raise ValueError("optimizer is already a DistributedOptimizer; wrap the original optimizer once.")
+    if op == Adasum and basics.size() > 1:
+        from horovod.torch.adasum_optimizer import _DistributedAdasumOptimizer
+
+        if process_set is not global_process_set and process_set.process_set_id != 0:
+            raise NotImplementedError(adasum.NON_GLOBAL_SET)
+        adasum.check_size(basics.size())
+        return _DistributedAdasumOptimizer(optimizer, named_parameters, compression, backward_passes_per_step,
+                                           op, 1.0, None, False, process_set)
     return _DistributedOptimizer(optimizer, named_parameters, compression, backward_passes_per_step, op,
                                  gradient_predivide_factor, groups, sparse_as_dense, process_set)

@@ -69,9 +69,9 @@ class SyncBatchNorm(_BatchNorm):
         return self._sync_forward(input, factor)
 
     def _sync_forward(self, input: torch.Tensor, factor: float) -> torch.Tensor:
-        x = input.float()
+        x = input if input.dtype == torch.float64 else input.float()  # half types: statistics in float32
         dims = [0] + list(range(2, x.dim()))
-        count = torch.tensor([x.numel() / x.shape[1]], dtype=torch.float32, device=x.device)
+        count = torch.tensor([x.numel() / x.shape[1]], dtype=x.dtype, device=x.device)
         stats = allreduce(torch.cat([count, x.sum(dims)]), op=Sum, name=None, process_set=self.process_set)
         n = stats[0].detach()
         shape = [1, -1] + [1] * (x.dim() - 2)

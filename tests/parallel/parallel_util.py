@@ -70,6 +70,19 @@ def allreduce_expected(xs: list[np.ndarray], op: int, prescale: float = 1.0, pos
     return scale_expected(reduce_expected(scaled, op), postscale)
 
 
+def adasum_expected(xs: list[np.ndarray]) -> np.ndarray:
+    """Upstream's test reference of hvd.Adasum, in float64: neighbours (2i, 2i+1) combined level by level with
+    ``(1 - a.b / (2 |a|^2)) a + (1 - a.b / (2 |b|^2)) b`` (coefficient 1 for a zero vector)."""
+    level = [np.asarray(x, np.float64).ravel() for x in xs]
+    while len(level) > 1:
+        pairs = []
+        for a, b in zip(level[0::2], level[1::2]):
+            dot, a2, b2 = np.inner(a, b), np.inner(a, a), np.inner(b, b)
+            pairs.append((1.0 - dot / a2 * 0.5 if a2 else 1.0) * a + (1.0 - dot / b2 * 0.5 if b2 else 1.0) * b)
+        level = pairs
+    return level[0].reshape(np.shape(xs[0]))
+
+
 def assert_same(actual: np.ndarray, expected: np.ndarray) -> None:
     assert actual.dtype == expected.dtype, (actual.dtype, expected.dtype)
     assert actual.shape == expected.shape, (actual.shape, expected.shape)

@@ -12,11 +12,13 @@ import pytest
 from parallel_util import (
     ALL_DTYPES,
     BF16,
+    adasum_expected,
     allreduce_expected,
     assert_same,
     data,
     launcher_rank_size,
     reducescatter_rows,
+    seed,
 )
 
 import horovod.numpy as hvd
@@ -350,6 +352,60 @@ def test_bfloat16_average():
     out = hvd.allreduce(xs[rank], op=hvd.Average)
     total = sum(x.astype(np.float32) for x in xs).astype(BF16)
     assert_same(out, (total.astype(np.float32) * np.float32(1 / size)).astype(BF16))
+
+
+# ------------------------------------------------------------------------------------------------ Adasum
+ADASUM_RTOL = {np.float16: 2e-2, np.float32: 1e-5, np.float64: 1e-12}
+
+
+def _floats(key, rank, shape, dtype):
+    return np.random.default_rng([seed(key), rank]).normal(size=shape).astype(dtype)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64], ids=str)
+@pytest.mark.parametrize("shape", [(7,), (3, 40), (300_000,)], ids=["inline", "small", "data-plane"])
+def test_adasum_matches_upstreams_reference(dtype, shape):
+    rank, size = rs()
+    xs = [_floats(f"adasum{shape}", r, shape, dtype) for r in range(size)]
+    if size & (size - 1):
+        with pytest.raises(NotImplementedError, match="^Running Adasum with non-power of 2 ranks is not supported"):
+            hvd.allreduce(xs[rank], op=hvd.Adasum)
+        return
+    got = hvd.allreduce(xs[rank], op=hvd.Adasum, name=f"adasum.{np.dtype(dtype).name}.{len(shape)}.{shape[0]}")
+    assert got.dtype == np.dtype(dtype) and got.shape == shape
+    np.testing.assert_allclose(got.astype(np.float64), adasum_expected(xs), rtol=ADASUM_RTOL[dtype],
+                               atol=ADASUM_RTOL[dtype])
+    assert len(set(hvd.allgather_object(got.tobytes()))) == 1  # bitwise the same on every rank
+
+
+def test_adasum_of_a_group_combines_each_tensor_alone_and_scales():
+    """A fused group: each tensor its own dot products; parallel vectors average, orthogonal ones add up."""
+    rank, size = rs()
+    if size & (size - 1):
+        pytest.skip("Adasum needs a power-of-two number of ranks")
+    xs = [[_floats("adasum.g", r, (5, 4), np.float32), np.full(6, 2.0, np.float32),
+           np.eye(size, dtype=np.float32)[r] * 3.0, _floats("adasum.big", r, (70_000,), np.float32)]
+          for r in range(size)]
+    got = hvd.grouped_allreduce(xs[rank], op=hvd.Adasum, prescale_factor=2.0, postscale_factor=0.5)
+    np.testing.assert_allclose(got[1], np.full(6, 2.0), rtol=1e-6)  # identical on every rank: their average
+    np.testing.assert_allclose(got[2], np.full(size, 3.0), rtol=1e-6)  # orthogonal: their sum
+    for i in (0, 3):
+        expected = adasum_expected([x[i].astype(np.float64) * 2.0 for x in xs]) * 0.5
+        np.testing.assert_allclose(got[i], expected, rtol=1e-5, atol=1e-5)
+
+
+def test_adasum_arguments_refused_with_upstreams_texts():
+    rank, size = rs()
+    if size & (size - 1):  # upstream's order: the number of ranks first
+        with pytest.raises(NotImplementedError, match="non-power of 2 ranks"):
+            hvd.allreduce(np.arange(4, dtype=np.int32), op=hvd.Adasum)
+    else:
+        with pytest.raises(ValueError, match="supports float16, float32 and float64 tensors, not int32"):
+            hvd.allreduce(np.arange(4, dtype=np.int32), op=hvd.Adasum)
+    with pytest.raises(ValueError, match="Reducescatter currently only supports AVERAGE and SUM"):
+        hvd.reducescatter(np.ones((size, 2)), op=hvd.Adasum)
+    with pytest.raises(NotImplementedError, match="^Adasum does not support non-global process sets"):
+        hvd.allreduce(np.ones(3), op=hvd.Adasum, process_set=hvd.ProcessSet([0]))
 
 
 # ------------------------------------------------------------------------------------------------ join

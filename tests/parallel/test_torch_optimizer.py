@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from parallel_util import adasum_expected
 
 import horovod.torch as hvd
 
@@ -229,8 +230,54 @@ def test_error_paths():
     p = next(model.parameters())
     with pytest.raises(ValueError, match="A parameter can only appear once in groups."):
         hvd.DistributedOptimizer(sgd, groups=[[p], [p]])
-    with pytest.raises(NotImplementedError):
-        hvd.DistributedOptimizer(sgd, op=hvd.Adasum)
+    if SIZE & (SIZE - 1):
+        with pytest.raises(NotImplementedError, match="^Running Adasum with non-power of 2 ranks"):
+            hvd.DistributedOptimizer(sgd, op=hvd.Adasum)
+    if SIZE > 1:
+        with pytest.raises(NotImplementedError, match="^Adasum does not support non-global process sets"):
+            hvd.DistributedOptimizer(sgd, op=hvd.Adasum, process_set=hvd.ProcessSet([0]))
+
+
+@pytest.mark.parametrize("compression", ["none", "fp16"])
+def test_adasum_combines_the_deltas_of_each_ranks_own_step(compression):
+    """op=Adasum (upstream's delta optimizer): every rank steps its own optimizer (its own momentum) on its
+    own gradient, and the parameters become start + Adasum(deltas).  Reference: every rank's step replayed
+    here on copies, and the deltas combined with upstream's test reference."""
+    if SIZE & (SIZE - 1) or SIZE == 1:
+        pytest.skip("Adasum needs a power-of-two number of ranks above one")
+    data = [[(torch.randn(5, 6, generator=torch.Generator().manual_seed(100 * s + k)),
+              torch.randn(5, 3, generator=torch.Generator().manual_seed(999 + 100 * s + k))) for k in range(SIZE)]
+            for s in range(3)]
+    model = make_model()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                   named_parameters=model.named_parameters(), op=hvd.Adasum,
+                                   compression=getattr(hvd.Compression, compression))
+    with pytest.raises(AssertionError, match="Skipping synchronization is not supported"):
+        with opt.skip_synchronize():
+            pass
+    replicas = [make_model() for _ in range(SIZE)]
+    replica_opts = [torch.optim.SGD(r.parameters(), lr=0.1, momentum=0.9) for r in replicas]
+    start = [p.detach().clone().double() for p in model.parameters()]
+    for step in data:
+        x, y = step[RANK]
+        opt.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        deltas = []
+        for k, (replica, replica_opt) in enumerate(zip(replicas, replica_opts)):
+            with torch.no_grad():
+                for p, s in zip(replica.parameters(), start):
+                    p.copy_(s)
+            replica_opt.zero_grad()
+            F.mse_loss(replica(step[k][0]), step[k][1]).backward()
+            replica_opt.step()
+            deltas.append([(p.detach().double() - s).numpy() for p, s in zip(replica.parameters(), start)])
+        start = [s + torch.from_numpy(adasum_expected([d[i] for d in deltas])) for i, s in enumerate(start)]
+    tol = 1e-5 if compression == "none" else 2e-3
+    for p, s in zip(model.parameters(), start):
+        torch.testing.assert_close(p.detach().double(), s, rtol=tol, atol=tol)
+    weights = hvd.allgather(torch.cat([p.detach().reshape(-1) for p in model.parameters()]).unsqueeze(0))
+    assert all(torch.equal(weights[0], w) for w in weights)
 
 
 def test_too_many_backward_passes_and_zero_grad():

@@ -13,7 +13,7 @@ import time
 import numpy as np
 import pytest
 import tensorflow as tf
-from parallel_util import allreduce_expected, data, launcher_rank_size, reducescatter_rows
+from parallel_util import adasum_expected, allreduce_expected, data, launcher_rank_size, reducescatter_rows, seed
 
 import horovod.tensorflow as hvd
 
@@ -204,6 +204,44 @@ def test_result_buffers_are_allocated_after_the_inputs():
     assert len(producers) == len(shapes)
     for op in empties:
         assert producers <= _ancestors(op), (op.name, sorted(producers - _ancestors(op)))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_adasum_allreduce_grouped_and_tape(mode):
+    """hvd.Adasum against upstream's test reference: a tensor, a group (each tensor combined alone, also where
+    tf.function's graph would hand the group over as one flat buffer) and DistributedGradientTape(op=Adasum)."""
+    rank, size = hvd.rank(), hvd.size()
+
+    def floats(key, shape):
+        return [np.random.default_rng([seed(key), r]).normal(size=shape).astype(np.float32) for r in range(size)]
+
+    xs, ys = floats("ada.x", (6, 5)), floats("ada.y", (40_000,))
+    if size & (size - 1):
+        with pytest.raises(NotImplementedError, match="^Running Adasum with non-power of 2 ranks"):
+            run(mode, lambda x: hvd.allreduce(x, op=hvd.Adasum), xs[rank])
+        return
+    got = run(mode, lambda x: hvd.allreduce(x, op=hvd.Adasum), xs[rank])
+    np.testing.assert_allclose(got, adasum_expected(xs), rtol=1e-5, atol=1e-5)
+    got = run(mode, lambda x, y: hvd.grouped_allreduce([x, y], op=hvd.Adasum), xs[rank], ys[rank])
+    np.testing.assert_allclose(got[0], adasum_expected(xs), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got[1], adasum_expected(ys), rtol=1e-5, atol=1e-5)
+    if mode == "graph":
+        return
+    w1, w2 = tf.Variable(floats("ada.w1", (5, 3))[0]), tf.Variable(floats("ada.w2", (3,))[0])
+
+    def grads(x):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tf.tanh(x @ w1) * w2)
+        return hvd.DistributedGradientTape(tape, op=hvd.Adasum).gradient(loss, [w1, w2])
+
+    got = run(mode, grads, xs[rank])
+    local = []
+    for x in xs:
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tf.tanh(tf.constant(x) @ w1) * w2)
+        local.append([g.numpy() for g in tape.gradient(loss, [w1, w2])])
+    for i in range(2):
+        np.testing.assert_allclose(got[i], adasum_expected([g[i] for g in local]), rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("mode", MODES)

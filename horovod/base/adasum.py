@@ -6,9 +6,11 @@ vector's squared norm is below 1e-8): orthogonal gradients add up, parallel ones
 upstream's binary tree, neighbours ``(2i, 2i + 1)`` first, level by level, so the number of ranks must be a
 power of two; every tensor of a fused buffer is combined on its own.
 
-The data plane gathers every member's buffer and each member runs the same tree on the same bytes, so every
-rank gets bitwise the same result (upstream's vector-halving exchange computes the same tree in another order
-of float operations).  Dot products and norms accumulate in float64, as upstream's do.
+The data plane runs the tree by recursive doubling: at level ``l`` each rank exchanges its buffer with rank
+``r ^ 2**l`` and both combine the same two buffers in the same order (the lower ranks' side first), so after
+log2(size) exchanges every rank holds bitwise the same result, the one :func:`tree` computes from all the
+buffers at once (upstream's vector-halving exchange computes the same tree in another order of float
+operations).  Dot products and norms accumulate in float64, as upstream's do.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["combine", "tree", "adasum_of", "check_size", "check_dtype", "NON_POWER_OF_2", "NON_GLOBAL_SET"]
+__all__ = ["combine", "combine_tensors", "tree", "scaled", "adasum_of", "check_size", "check_dtype",
+           "NON_POWER_OF_2", "NON_GLOBAL_SET"]
 
 NON_POWER_OF_2 = "Running Adasum with non-power of 2 ranks is not supported yet."
 NON_GLOBAL_SET = "Adasum does not support non-global process sets yet."
@@ -46,28 +49,33 @@ def combine(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return (ca * a64 + cb * b64).astype(a.dtype, copy=False)
 
 
-def tree(contributions: Sequence[np.ndarray], counts: Sequence[int]) -> np.ndarray:
-    """Every member's flat buffer (in set-rank order; tensors of ``counts`` elements, back to back) combined
-    tensor by tensor in upstream's tree: a new flat array of the same dtype."""
-    check_size(len(contributions))
-    out = np.empty_like(contributions[0])
+def combine_tensors(lower: np.ndarray, upper: np.ndarray, counts: Sequence[int]) -> np.ndarray:
+    """Two flat buffers of the same tensors (``counts`` elements each, back to back) combined tensor by tensor;
+    ``lower`` is the lower ranks' side of the tree (the order of the float operations is part of the result)."""
+    out = np.empty_like(lower)
     offset = 0
     for n in counts:
-        level = [c[offset:offset + n] for c in contributions]
-        while len(level) > 1:
-            level = [combine(level[i], level[i + 1]) for i in range(0, len(level), 2)]
-        out[offset:offset + n] = level[0]
+        out[offset:offset + n] = combine(lower[offset:offset + n], upper[offset:offset + n])
         offset += n
     return out
+
+
+def tree(contributions: Sequence[np.ndarray], counts: Sequence[int]) -> np.ndarray:
+    """Every member's flat buffer (in set-rank order) combined in upstream's tree: a new flat array."""
+    check_size(len(contributions))
+    level = list(contributions)
+    while len(level) > 1:
+        level = [combine_tensors(level[i], level[i + 1], counts) for i in range(0, len(level), 2)]
+    return level[0].copy() if level[0] is contributions[0] else level[0]
+
+
+def scaled(buf: np.ndarray, factor: float) -> np.ndarray:
+    """``buf * factor`` computed in float64 and stored in ``buf``'s dtype (a new array; ``buf`` if 1.0)."""
+    return buf if factor == 1.0 else (buf.astype(np.float64) * factor).astype(buf.dtype)
 
 
 def adasum_of(contributions: Sequence[np.ndarray], counts: Sequence[int], prescale: float = 1.0,
               postscale: float = 1.0) -> np.ndarray:
     """The Adasum allreduce of the members' flat buffers, with upstream's order of scaling: each input by
-    ``prescale``, then the tree, then the result by ``postscale`` (in float64, stored in the dtype)."""
-    if prescale != 1.0:
-        contributions = [(c.astype(np.float64) * prescale).astype(c.dtype) for c in contributions]
-    out = tree(contributions, counts)
-    if postscale != 1.0:
-        out[...] = out.astype(np.float64) * postscale
-    return out
+    ``prescale``, then the tree, then the result by ``postscale``."""
+    return scaled(tree([scaled(c, prescale) for c in contributions], counts), postscale)

@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from horovod.base.adasum import adasum_of
+from horovod.base import adasum
 from horovod.base.exceptions import PreconditionError
 from horovod.base.reduce_ops import ReduceOp, data_plane_op
 from horovod.runtime.messages import RequestType, Response, dtype_of
@@ -181,8 +181,8 @@ class Executor:
 
     def _adasum(self, comm: Communicator, resp: Response, entries: list[TensorEntry | None],
                 timeline) -> list:
-        """Every member's buffer gathered, and the same Adasum tree run on each member (horovod.base.adasum):
-        bitwise the same result everywhere; the tree needs the whole vectors' dot products, not a ring."""
+        """Upstream's Adasum tree by recursive doubling (horovod.base.adasum): log2(size) exchanges of the
+        whole (fused) buffer with one partner each, after which every member holds bitwise the same result."""
         dtype = dtype_of(resp.dtype)
         counts = [_numel(shape) for shape in resp.shapes]
         total = sum(counts)
@@ -200,10 +200,20 @@ class Executor:
         if timeline is not None:
             for name in resp.names:
                 timeline.begin(name, "MPI_ADASUM_ALLREDUCE")
-        everyone = np.empty(total * comm.size, dtype)
-        comm.allgatherv(mine, everyone, [total] * comm.size)
-        result = adasum_of([everyone[i * total:(i + 1) * total] for i in range(comm.size)], counts,
-                           resp.prescale, resp.postscale)
+        mine = adasum.scaled(mine, resp.prescale)
+        theirs = np.empty(total, dtype)
+        distance = 1
+        while distance < comm.size:
+            partner = comm.rank ^ distance
+            counts_to = [0] * comm.size
+            counts_to[partner] = total
+            comm.alltoallv(mine, counts_to, theirs, counts_to)
+            if comm.rank < partner:
+                mine = adasum.combine_tensors(mine, theirs, counts)
+            else:
+                mine = adasum.combine_tensors(theirs, mine, counts)
+            distance *= 2
+        result = adasum.scaled(mine, resp.postscale)
         if timeline is not None:
             for name in resp.names:
                 timeline.end(name)

@@ -394,6 +394,17 @@ def test_adasum_of_a_group_combines_each_tensor_alone_and_scales():
         np.testing.assert_allclose(got[i], expected, rtol=1e-5, atol=1e-5)
 
 
+def test_adasum_with_joined_ranks_keeps_the_others_vector():
+    """A joined rank contributes zeros, and Adasum with a zero vector leaves the other one as it is."""
+    rank, size = rs()
+    if size & (size - 1):
+        pytest.skip("Adasum needs a power-of-two number of ranks")
+    x = _floats("adasum.join", rank, (50_000,), np.float32)
+    if rank == size - 1:
+        np.testing.assert_array_equal(hvd.allreduce(x, op=hvd.Adasum, name="adasum.join"), x)
+    assert hvd.join() == size - 1
+
+
 def test_adasum_arguments_refused_with_upstreams_texts():
     rank, size = rs()
     if size & (size - 1):  # upstream's order: the number of ranks first

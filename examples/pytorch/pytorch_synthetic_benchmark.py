@@ -38,6 +38,7 @@ def main() -> None:
     parser.add_argument("--num-batches-per-iter", type=int, default=5)
     parser.add_argument("--num-iters", type=int, default=5)
     parser.add_argument("--fp16-allreduce", action="store_true")
+    parser.add_argument("--use-adasum", action="store_true", help="reduce with Adasum (power-of-two ranks)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -45,10 +46,12 @@ def main() -> None:
     hvd.init()
     torch.set_num_threads(args.threads)
     model = build_model()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01 * hvd.size())
+    # Adasum needs no learning rate scaled by the number of ranks
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01 * (1 if args.use_adasum else hvd.size()))
     compression = hvd.Compression.fp16 if args.fp16_allreduce else hvd.Compression.none
     optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
-                                         compression=compression)
+                                         compression=compression,
+                                         op=hvd.Adasum if args.use_adasum else hvd.Average)
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
 

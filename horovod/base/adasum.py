@@ -15,6 +15,7 @@ operations).  Dot products and norms accumulate in float64, as upstream's do.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -25,6 +26,7 @@ __all__ = ["combine", "combine_tensors", "tree", "scaled", "adasum_of", "check_s
 NON_POWER_OF_2 = "Running Adasum with non-power of 2 ranks is not supported yet."
 NON_GLOBAL_SET = "Adasum does not support non-global process sets yet."
 _TINY = 1e-8
+_ROW = 4096
 _FLOATS = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
 
 
@@ -40,13 +42,34 @@ def check_dtype(dtype) -> None:
         raise ValueError(f"The Adasum reduction supports float16, float32 and float64 tensors, not {np.dtype(dtype)}.")
 
 
+def _dot(x: np.ndarray, y: np.ndarray, scratch: np.ndarray) -> float:
+    """``x . y`` summed in float64 in an order that does not depend on where the arrays lie in memory (numpy's
+    and BLAS's reductions take SIMD paths by alignment, and partners combining the same two buffers from
+    different addresses must get bitwise the same result): element-wise products, added up row by row into
+    4096 partial sums (a strided reduction: one order), then ``math.fsum`` of those."""
+    n = x.size
+    rows = n // _ROW
+    whole = rows * _ROW
+    partial: list[float] = []
+    if rows:
+        products = np.multiply(x[:whole], y[:whole], out=scratch[:whole])
+        partial = np.add.reduce(products.reshape(rows, _ROW), axis=0, dtype=np.float64).tolist()
+    if whole < n:
+        partial += np.multiply(x[whole:], y[whole:], dtype=np.float64).tolist()
+    return math.fsum(partial)
+
+
 def combine(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """One pairwise Adasum step of two 1-D arrays of the same float dtype."""
-    a64, b64 = a.astype(np.float64, copy=False), b.astype(np.float64, copy=False)
-    dot, a2, b2 = float(np.dot(a64, b64)), float(np.dot(a64, a64)), float(np.dot(b64, b64))
+    """One pairwise Adasum step of two 1-D arrays of the same float dtype (float16 computed in float32)."""
+    work = np.float32 if a.dtype == np.float16 else a.dtype.type
+    x, y = a.astype(work, copy=False), b.astype(work, copy=False)
+    scratch = np.empty_like(x)
+    dot, a2, b2 = _dot(x, y, scratch), _dot(x, x, scratch), _dot(y, y, scratch)
     ca = 1.0 - dot / (2.0 * a2) if a2 >= _TINY else 1.0
     cb = 1.0 - dot / (2.0 * b2) if b2 >= _TINY else 1.0
-    return (ca * a64 + cb * b64).astype(a.dtype, copy=False)
+    out = np.multiply(x, work(ca))
+    out += np.multiply(y, work(cb), out=scratch)
+    return out if out.dtype == a.dtype else out.astype(a.dtype)
 
 
 def combine_tensors(lower: np.ndarray, upper: np.ndarray, counts: Sequence[int]) -> np.ndarray:

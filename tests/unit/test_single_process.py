@@ -285,9 +285,12 @@ def test_bad_root_rank(root):
         hvd.broadcast(np.zeros(2), root)
 
 
-def test_adasum_not_supported():
-    with pytest.raises(NotImplementedError):
-        hvd.allreduce(np.zeros(2), op=hvd.Adasum)
+def test_adasum_of_one_rank_is_its_own_tensor():
+    x = np.array([1.5, -2.0, 0.25], np.float32)
+    np.testing.assert_array_equal(hvd.allreduce(x, op=hvd.Adasum), x)
+    np.testing.assert_array_equal(hvd.allreduce(x, op=hvd.Adasum, prescale_factor=2.0, postscale_factor=0.5), x)
+    with pytest.raises(ValueError, match="Adasum reduction supports float16, float32 and float64 tensors"):
+        hvd.allreduce(np.zeros(2, np.int64), op=hvd.Adasum)
 
 
 def test_duplicate_name_in_flight(monkeypatch):

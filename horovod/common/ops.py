@@ -70,13 +70,14 @@ def _enqueue(items: list[tuple[Request, np.ndarray | None, np.ndarray | None]]) 
 _PLAIN_OPS = frozenset((ReduceOp.AVERAGE, ReduceOp.SUM, ReduceOp.MIN, ReduceOp.MAX, ReduceOp.PRODUCT))
 
 
-def check_adasum(process_set: ProcessSet, dtype) -> None:
+def check_adasum(process_set: ProcessSet, dtype=None) -> None:
     """Upstream's preconditions of an Adasum allreduce on CPU: the global set, a power-of-two number of
-    ranks (NotImplementedError with upstream's texts), a float dtype (ValueError)."""
+    ranks (NotImplementedError with upstream's texts), a float dtype when given (ValueError)."""
     if process_set is not global_process_set and process_set.process_set_id != 0:
         raise NotImplementedError(adasum.NON_GLOBAL_SET)
     adasum.check_size(basics.size())
-    adasum.check_dtype(dtype)
+    if dtype is not None:
+        adasum.check_dtype(dtype)
 
 
 def _check_op(op: int, rtype: int) -> None:

@@ -33,11 +33,11 @@ from typing import Any
 
 import torch
 
-from horovod.base import adasum
 from horovod.base.config import read_env
 from horovod.base.reduce_ops import predivide_scales
 from horovod.common import basics
 from horovod.common.basics import Adasum, Average
+from horovod.common.ops import check_adasum
 from horovod.common.process_sets import ProcessSet, global_process_set
 from horovod.common.util import split_list
 from horovod.torch.compression import Compression, Compressor
@@ -592,9 +592,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     if op == Adasum and basics.size() > 1:
         from horovod.torch.adasum_optimizer import _DistributedAdasumOptimizer
 
-        if process_set is not global_process_set and process_set.process_set_id != 0:
-            raise NotImplementedError(adasum.NON_GLOBAL_SET)
-        adasum.check_size(basics.size())
+        check_adasum(process_set)
         return _DistributedAdasumOptimizer(optimizer, named_parameters, compression, backward_passes_per_step,
                                            op, 1.0, None, False, process_set)
     return _DistributedOptimizer(optimizer, named_parameters, compression, backward_passes_per_step, op,

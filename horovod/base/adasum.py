@@ -27,6 +27,7 @@ NON_POWER_OF_2 = "Running Adasum with non-power of 2 ranks is not supported yet.
 NON_GLOBAL_SET = "Adasum does not support non-global process sets yet."
 _TINY = 1e-8
 _ROW = 4096
+_LANES = 64
 _FLOATS = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
 
 
@@ -45,18 +46,18 @@ def check_dtype(dtype) -> None:
 def _dot(x: np.ndarray, y: np.ndarray, scratch: np.ndarray) -> float:
     """``x . y`` summed in float64 in an order that does not depend on where the arrays lie in memory (numpy's
     and BLAS's reductions take SIMD paths by alignment, and partners combining the same two buffers from
-    different addresses must get bitwise the same result): element-wise products, added up row by row into
-    4096 partial sums (a strided reduction: one order), then ``math.fsum`` of those."""
-    n = x.size
-    rows = n // _ROW
-    whole = rows * _ROW
-    partial: list[float] = []
-    if rows:
-        products = np.multiply(x[:whole], y[:whole], out=scratch[:whole])
-        partial = np.add.reduce(products.reshape(rows, _ROW), axis=0, dtype=np.float64).tolist()
-    if whole < n:
-        partial += np.multiply(x[whole:], y[whole:], dtype=np.float64).tolist()
-    return math.fsum(partial)
+    different addresses must get bitwise the same result): element-wise products, added up row by row
+    (strided reductions, which have one order) into 4096 and then 64 partial sums, then ``math.fsum``."""
+    products = np.multiply(x, y, out=scratch[:x.size])
+    terms: list[float] = []
+    for width in (_ROW, _LANES):
+        rows = products.size // width
+        if rows == 0:
+            continue
+        head = np.add.reduce(products[:rows * width].reshape(rows, width), axis=0, dtype=np.float64)
+        terms += products[rows * width:].tolist()
+        products = head
+    return math.fsum(terms + products.tolist())
 
 
 def combine(a: np.ndarray, b: np.ndarray) -> np.ndarray:

@@ -278,6 +278,10 @@ def test_adasum_combines_the_deltas_of_each_ranks_own_step(compression):
         torch.testing.assert_close(p.detach().double(), s, rtol=tol, atol=tol)
     weights = hvd.allgather(torch.cat([p.detach().reshape(-1) for p in model.parameters()]).unsqueeze(0))
     assert all(torch.equal(weights[0], w) for w in weights)
+    F.mse_loss(model(data[0][RANK][0]), data[0][RANK][1]).backward()
+    with pytest.raises(AssertionError, match="Gradients were computed more than backward_passes_per_step"):
+        F.mse_loss(model(data[0][RANK][0]), data[0][RANK][1]).backward()
+    opt.zero_grad()  # forgets the passes: a step after it trains normally
 
 
 def test_too_many_backward_passes_and_zero_grad():

@@ -11,10 +11,11 @@ import logging
 
 import tensorflow as tf
 
+from horovod.common import ops as _ops
 from horovod.common.process_sets import ProcessSet, global_process_set
 from horovod.tensorflow.compression import Compression
 from horovod.tensorflow.gradient_aggregation import GradientReducer
-from horovod.tensorflow.mpi_ops import Adasum, Average
+from horovod.tensorflow.mpi_ops import Adasum, Average, grouped_allreduce
 
 __all__ = ["DistributedGradientTape", "PartialDistributedGradientTape", "DistributedOptimizer",
            "LegacyDistributedOptimizer"]
@@ -181,6 +182,42 @@ class LegacyDistributedOptimizer(tf.compat.v1.train.Optimizer):
         return self._optimizer.variables(*args, **kwargs)
 
 
+class LegacyAdasumOptimizer(LegacyDistributedOptimizer):
+    """``DistributedOptimizer(tf.compat.v1.train optimizer, op=hvd.Adasum)``: each rank applies its own
+    gradients with the wrapped optimizer (its own slots), and the variables become their values before the
+    step plus the Adasum of the ranks' deltas (horovod.base.adasum), as torch's Adasum optimizer.  (Upstream's
+    class of the same purpose delegated ``apply_gradients`` to the wrapped optimizer, which bypassed its own
+    delta logic: it trained locally.)"""
+
+    def __init__(self, optimizer, name: str | None = None, use_locking: bool = False, *,
+                 compression=Compression.none) -> None:
+        super().__init__(optimizer, name or f"DistributedDelta{type(optimizer).__name__}", use_locking,
+                         reducer=None)  # type: ignore[arg-type] - nothing is reduced in compute_gradients
+        self._compression = compression
+
+    def register_local_var(self, var) -> None:
+        raise NotImplementedError("register_local_var is not supported with op=hvd.Adasum.")
+
+    def compute_gradients(self, *args, **kwargs):
+        """The wrapped optimizer's gradients, local: Adasum reduces the step's deltas instead."""
+        return self._optimizer.compute_gradients(*args, **kwargs)
+
+    def apply_gradients(self, grads_and_vars, global_step=None, name=None):
+        grads_and_vars = list(grads_and_vars)
+        variables = [v for g, v in grads_and_vars if g is not None]
+        starts = [tf.identity(v.read_value() if hasattr(v, "read_value") else v) for v in variables]
+        with tf.control_dependencies(starts):
+            local = self._optimizer.apply_gradients(grads_and_vars, global_step=global_step, name=name)
+        with tf.control_dependencies([local]):
+            deltas = [tf.identity(v.read_value() if hasattr(v, "read_value") else v) - s
+                      for v, s in zip(variables, starts)]
+        if not deltas:
+            return local
+        reduced = grouped_allreduce(deltas, op=Adasum, compression=self._compression)
+        return tf.group(*[v.assign(s + d, use_locking=self._use_locking)
+                          for v, s, d in zip(variables, starts, reduced)])
+
+
 def DistributedOptimizer(optimizer, name: str | None = None, use_locking: bool = False,  # noqa: N802
                          device_dense: str = "", device_sparse: str = "", compression=Compression.none,
                          sparse_as_dense: bool = False, backward_passes_per_step: int = 1, op: int = Average,
@@ -204,10 +241,12 @@ def DistributedOptimizer(optimizer, name: str | None = None, use_locking: bool =
     if op == Adasum and average_aggregated_gradients:
         raise ValueError("Adasum does not support average_aggregated_gradients == True")
     if isinstance(optimizer, tf.compat.v1.train.Optimizer):
-        if op == Adasum:  # upstream reduces the deltas of a local step there (its _DistributedAdasumOptimizer)
-            raise NotImplementedError("op=hvd.Adasum with a tf.compat.v1.train optimizer is not supported here: "
-                                      "use DistributedGradientTape(tape, op=hvd.Adasum) (gradients reduced with "
-                                      "Adasum) or horovod.torch's DistributedOptimizer.")
+        if op == Adasum:
+            _ops.check_adasum(process_set)
+            if backward_passes_per_step != 1:
+                raise ValueError("backward_passes_per_step must be 1 with op=hvd.Adasum for a tf.compat.v1.train "
+                                 "optimizer (each step's deltas are reduced).")
+            return LegacyAdasumOptimizer(optimizer, name, use_locking, compression=compression)
         reducer = GradientReducer(compression=compression, sparse_as_dense=sparse_as_dense, op=op,
                                   gradient_predivide_factor=gradient_predivide_factor, num_groups=num_groups,
                                   groups=groups, process_set=process_set,

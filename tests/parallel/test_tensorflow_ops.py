@@ -244,6 +244,50 @@ def test_adasum_allreduce_grouped_and_tape(mode):
         np.testing.assert_allclose(got[i], adasum_expected([g[i] for g in local]), rtol=1e-4, atol=1e-5)
 
 
+def test_adasum_tf1_optimizer_reduces_the_deltas_of_each_ranks_own_step():
+    """DistributedOptimizer(tf.compat.v1.train optimizer, op=Adasum) in a TF1 session: every rank's Momentum
+    step on its own data, then start + Adasum(deltas); the reference replays every rank's step locally."""
+    rank, size = hvd.rank(), hvd.size()
+    if size & (size - 1) or size == 1:
+        pytest.skip("Adasum needs a power-of-two number of ranks above one")
+    rng = np.random.default_rng(seed("tf1.adasum"))
+    w0, b0 = rng.normal(size=(4, 3)).astype(np.float32), rng.normal(size=3).astype(np.float32)
+    data = [[np.random.default_rng([seed("tf1.adasum.x"), s, k]).normal(size=(5, 4)).astype(np.float32)
+             for k in range(size)] for s in range(3)]
+
+    def loss_of(w, b, x):
+        return tf.reduce_sum(tf.tanh(x @ w + b) ** 2)
+
+    with tf.Graph().as_default():
+        w, b = tf.compat.v1.get_variable("w", initializer=w0), tf.compat.v1.get_variable("b", initializer=b0)
+        x = tf.compat.v1.placeholder(tf.float32, (5, 4))
+        opt = hvd.DistributedOptimizer(tf.compat.v1.train.MomentumOptimizer(0.1, 0.9), op=hvd.Adasum)
+        step = tf.compat.v1.train.get_or_create_global_step()
+        train = opt.minimize(loss_of(w, b, x), global_step=step)
+        with tf.compat.v1.Session() as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            for s in range(3):
+                sess.run(train, {x: data[s][rank]})
+            got, steps = sess.run([w, b]), sess.run(step)
+    replicas = [(tf.Variable(w0), tf.Variable(b0), tf.compat.v1.train.MomentumOptimizer(0.1, 0.9))
+                for _ in range(size)]
+    start = [w0.astype(np.float64), b0.astype(np.float64)]
+    for s in range(3):
+        deltas = []
+        for k, (wk, bk, optk) in enumerate(replicas):
+            wk.assign(start[0].astype(np.float32))
+            bk.assign(start[1].astype(np.float32))
+            optk.minimize(lambda: loss_of(wk, bk, tf.constant(data[s][k])), var_list=[wk, bk])  # noqa: B023
+            deltas.append([wk.numpy() - start[0].astype(np.float32), bk.numpy() - start[1].astype(np.float32)])
+        start = [start[i] + adasum_expected([d[i] for d in deltas]) for i in range(2)]
+    assert steps == 3
+    for g, e in zip(got, start):
+        np.testing.assert_allclose(g, e, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="backward_passes_per_step must be 1 with op=hvd.Adasum"):
+        hvd.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.1), op=hvd.Adasum,
+                                 backward_passes_per_step=2)
+
+
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("dtype", GATHER_DTYPES, ids=lambda d: np.dtype(d).name)
 def test_allgather_variable_rows(mode, dtype):

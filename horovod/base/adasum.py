@@ -3,14 +3,17 @@ Summation", MLSys 2021), upstream's ``hvd.Adasum`` reduction.
 
 Two gradients combine as ``(1 - a.b / (2 |a|^2)) a + (1 - a.b / (2 |b|^2)) b`` (a coefficient stays 1 when its
 vector's squared norm is below 1e-8): orthogonal gradients add up, parallel ones average.  Ranks combine in
-upstream's binary tree, neighbours ``(2i, 2i + 1)`` first, level by level, so the number of ranks must be a
-power of two; every tensor of a fused buffer is combined on its own.
+upstream's binary tree, neighbours ``(2i, 2i + 1)`` first, level by level; every tensor of a fused buffer is
+combined on its own.  Upstream allowed only a power-of-two number of ranks in the global set; here a level
+with an odd count passes its last member up unchanged (the same tree for powers of two), and any process set
+works.
 
-The data plane runs the tree by recursive doubling: at level ``l`` each rank exchanges its buffer with rank
-``r ^ 2**l`` and both combine the same two buffers in the same order (the lower ranks' side first), so after
-log2(size) exchanges every rank holds bitwise the same result, the one :func:`tree` computes from all the
-buffers at once (upstream's vector-halving exchange computes the same tree in another order of float
-operations).  Dot products and norms accumulate in float64, as upstream's do.
+For a power-of-two number of members the data plane runs the tree by recursive doubling: at level ``l``
+each rank exchanges its buffer with rank ``r ^ 2**l`` and both combine the same two buffers in the same order
+(the lower ranks' side first), so after log2(size) exchanges every rank holds bitwise the same result, the
+one :func:`tree` computes from all the buffers at once (upstream's vector-halving exchange computes the same
+tree in another order of float operations); for other counts every member gathers all buffers and runs
+:func:`tree`.  Dot products and norms accumulate in float64, as upstream's do.
 """
 
 from __future__ import annotations
@@ -20,21 +23,12 @@ from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["combine", "combine_tensors", "tree", "scaled", "adasum_of", "check_size", "check_dtype",
-           "NON_POWER_OF_2", "NON_GLOBAL_SET"]
+__all__ = ["combine", "combine_tensors", "tree", "scaled", "adasum_of", "check_dtype"]
 
-NON_POWER_OF_2 = "Running Adasum with non-power of 2 ranks is not supported yet."
-NON_GLOBAL_SET = "Adasum does not support non-global process sets yet."
 _TINY = 1e-8
 _ROW = 4096
 _LANES = 64
 _FLOATS = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
-
-
-def check_size(size: int) -> None:
-    """Raises NotImplementedError (upstream's text) unless ``size`` is a power of two."""
-    if size <= 0 or size & (size - 1):
-        raise NotImplementedError(NON_POWER_OF_2)
 
 
 def check_dtype(dtype) -> None:
@@ -85,11 +79,12 @@ def combine_tensors(lower: np.ndarray, upper: np.ndarray, counts: Sequence[int])
 
 
 def tree(contributions: Sequence[np.ndarray], counts: Sequence[int]) -> np.ndarray:
-    """Every member's flat buffer (in set-rank order) combined in upstream's tree: a new flat array."""
-    check_size(len(contributions))
+    """Every member's flat buffer (in set-rank order) combined in upstream's tree (an odd member out of a level
+    goes up unchanged): a new flat array."""
     level = list(contributions)
     while len(level) > 1:
-        level = [combine_tensors(level[i], level[i + 1], counts) for i in range(0, len(level), 2)]
+        level = [combine_tensors(level[i], level[i + 1], counts) if i + 1 < len(level) else level[i]
+                 for i in range(0, len(level), 2)]
     return level[0].copy() if level[0] is contributions[0] else level[0]
 
 

@@ -70,21 +70,16 @@ def _enqueue(items: list[tuple[Request, np.ndarray | None, np.ndarray | None]]) 
 _PLAIN_OPS = frozenset((ReduceOp.AVERAGE, ReduceOp.SUM, ReduceOp.MIN, ReduceOp.MAX, ReduceOp.PRODUCT))
 
 
-def check_adasum(process_set: ProcessSet, dtype=None) -> None:
-    """Upstream's preconditions of an Adasum allreduce on CPU: the global set, a power-of-two number of
-    ranks (NotImplementedError with upstream's texts), a float dtype when given (ValueError)."""
-    if process_set is not global_process_set and process_set.process_set_id != 0:
-        raise NotImplementedError(adasum.NON_GLOBAL_SET)
-    adasum.check_size(basics.size())
-    if dtype is not None:
-        adasum.check_dtype(dtype)
+def check_adasum(dtype) -> None:
+    """Adasum reduces float tensors only (ValueError), as upstream's core."""
+    adasum.check_dtype(dtype)
 
 
 def _check_op(op: int, rtype: int) -> None:
     if op in _PLAIN_OPS and rtype != RequestType.REDUCESCATTER:
         return
     if op == ReduceOp.ADASUM and rtype == RequestType.ALLREDUCE:
-        return  # check_adasum needs the set and dtype: the caller checks
+        return  # check_adasum needs the dtype: the caller checks
     if op not in _PLAIN_OPS and op != ReduceOp.ADASUM:
         raise ValueError(f"Unknown reduction op {op}")
     if rtype == RequestType.REDUCESCATTER and op not in (ReduceOp.AVERAGE, ReduceOp.SUM):
@@ -106,7 +101,7 @@ def allreduce(tensor, output: np.ndarray | None = None, *, name: str | None = No
     if op not in _PLAIN_OPS:
         _check_op(op, RequestType.ALLREDUCE)
         if op == ReduceOp.ADASUM:
-            check_adasum(process_set, arr.dtype)
+            check_adasum(arr.dtype)
     if process_set is global_process_set:  # always registered, every rank a member: no lookup
         engine = basics.engine()
         ps_id = 0
@@ -125,7 +120,7 @@ def grouped_allreduce(tensors: Sequence, outputs: Sequence | None = None, *, nam
     arrays = [_array(t) for t in tensors]
     if op == ReduceOp.ADASUM:
         for arr in arrays:
-            check_adasum(process_set, arr.dtype)
+            check_adasum(arr.dtype)
     ps_id, _ = _set_id(process_set, RequestType.ALLREDUCE)
     if _grouped and len({a.dtype for a in arrays}) > 1:
         raise ValueError("Tensors in a grouped allreduce must all have the same dtype.")

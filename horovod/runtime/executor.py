@@ -181,8 +181,9 @@ class Executor:
 
     def _adasum(self, comm: Communicator, resp: Response, entries: list[TensorEntry | None],
                 timeline) -> list:
-        """Upstream's Adasum tree by recursive doubling (horovod.base.adasum): log2(size) exchanges of the
-        whole (fused) buffer with one partner each, after which every member holds bitwise the same result."""
+        """Upstream's Adasum tree (horovod.base.adasum): by recursive doubling for a power-of-two set (log2(size)
+        exchanges of the whole fused buffer with one partner each), else gathered and combined on every
+        member; either way every member holds bitwise the same result."""
         dtype = dtype_of(resp.dtype)
         counts = [_numel(shape) for shape in resp.shapes]
         total = sum(counts)
@@ -201,18 +202,23 @@ class Executor:
             for name in resp.names:
                 timeline.begin(name, "MPI_ADASUM_ALLREDUCE")
         mine = adasum.scaled(mine, resp.prescale)
-        theirs = np.empty(total, dtype)
-        distance = 1
-        while distance < comm.size:
-            partner = comm.rank ^ distance
-            counts_to = [0] * comm.size
-            counts_to[partner] = total
-            comm.alltoallv(mine, counts_to, theirs, counts_to)
-            if comm.rank < partner:
-                mine = adasum.combine_tensors(mine, theirs, counts)
-            else:
-                mine = adasum.combine_tensors(theirs, mine, counts)
-            distance *= 2
+        if comm.size & (comm.size - 1):  # not a power of two: every buffer, the tree on each member
+            everyone = np.empty(total * comm.size, dtype)
+            comm.allgatherv(mine, everyone, [total] * comm.size)
+            mine = adasum.tree([everyone[i * total:(i + 1) * total] for i in range(comm.size)], counts)
+        else:
+            theirs = np.empty(total, dtype)
+            distance = 1
+            while distance < comm.size:
+                partner = comm.rank ^ distance
+                counts_to = [0] * comm.size
+                counts_to[partner] = total
+                comm.alltoallv(mine, counts_to, theirs, counts_to)
+                if comm.rank < partner:
+                    mine = adasum.combine_tensors(mine, theirs, counts)
+                else:
+                    mine = adasum.combine_tensors(theirs, mine, counts)
+                distance *= 2
         result = adasum.scaled(mine, resp.postscale)
         if timeline is not None:
             for name in resp.names:

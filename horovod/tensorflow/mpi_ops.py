@@ -280,7 +280,7 @@ def allreduce(tensor, average: bool | None = None, device_dense: str = "", devic
         return tf.IndexedSlices(values, indices, dense_shape=tensor.dense_shape)
     tensor = _as_tensor(tensor)
     if op == Adasum:
-        _ops.check_adasum(process_set, tensor.dtype.as_numpy_dtype)
+        _ops.check_adasum(tensor.dtype.as_numpy_dtype)
     compressed, ctx = compression.compress(tensor)
     reduced = _allreduce(compressed, name=name, op=op, prescale_factor=prescale_factor,
                          postscale_factor=postscale_factor, ignore_name_scope=ignore_name_scope,
@@ -308,7 +308,7 @@ def grouped_allreduce(tensors, average: bool | None = None, device_dense: str = 
     tensors = [_as_tensor(t) for t in tensors]
     if op == Adasum:
         for t in tensors:
-            _ops.check_adasum(process_set, t.dtype.as_numpy_dtype)
+            _ops.check_adasum(t.dtype.as_numpy_dtype)
     if len({t.dtype for t in tensors}) > 1:
         raise tf.errors.InvalidArgumentError(None, None,
                                              "Tensors in a grouped allreduce must all have the same dtype.")

@@ -11,7 +11,6 @@ import logging
 
 import tensorflow as tf
 
-from horovod.common import ops as _ops
 from horovod.common.process_sets import ProcessSet, global_process_set
 from horovod.tensorflow.compression import Compression
 from horovod.tensorflow.gradient_aggregation import GradientReducer
@@ -190,13 +189,16 @@ class LegacyAdasumOptimizer(LegacyDistributedOptimizer):
     delta logic: it trained locally.)"""
 
     def __init__(self, optimizer, name: str | None = None, use_locking: bool = False, *,
-                 compression=Compression.none) -> None:
+                 compression=Compression.none, process_set: ProcessSet = global_process_set) -> None:
         super().__init__(optimizer, name or f"DistributedDelta{type(optimizer).__name__}", use_locking,
                          reducer=None)  # type: ignore[arg-type] - nothing is reduced in compute_gradients
         self._compression = compression
+        self._process_set = process_set
+        self._local: set = set()
 
     def register_local_var(self, var) -> None:
-        raise NotImplementedError("register_local_var is not supported with op=hvd.Adasum.")
+        """Keep ``var``'s own step (its delta is not reduced)."""
+        self._local.add(var.ref())
 
     def compute_gradients(self, *args, **kwargs):
         """The wrapped optimizer's gradients, local: Adasum reduces the step's deltas instead."""
@@ -204,7 +206,7 @@ class LegacyAdasumOptimizer(LegacyDistributedOptimizer):
 
     def apply_gradients(self, grads_and_vars, global_step=None, name=None):
         grads_and_vars = list(grads_and_vars)
-        variables = [v for g, v in grads_and_vars if g is not None]
+        variables = [v for g, v in grads_and_vars if g is not None and v.ref() not in self._local]
         starts = [tf.identity(v.read_value() if hasattr(v, "read_value") else v) for v in variables]
         with tf.control_dependencies(starts):
             local = self._optimizer.apply_gradients(grads_and_vars, global_step=global_step, name=name)
@@ -213,7 +215,8 @@ class LegacyAdasumOptimizer(LegacyDistributedOptimizer):
                       for v, s in zip(variables, starts)]
         if not deltas:
             return local
-        reduced = grouped_allreduce(deltas, op=Adasum, compression=self._compression)
+        reduced = grouped_allreduce(deltas, op=Adasum, compression=self._compression,
+                                    process_set=self._process_set)
         return tf.group(*[v.assign(s + d, use_locking=self._use_locking)
                           for v, s, d in zip(variables, starts, reduced)])
 
@@ -242,11 +245,11 @@ def DistributedOptimizer(optimizer, name: str | None = None, use_locking: bool =
         raise ValueError("Adasum does not support average_aggregated_gradients == True")
     if isinstance(optimizer, tf.compat.v1.train.Optimizer):
         if op == Adasum:
-            _ops.check_adasum(process_set)
             if backward_passes_per_step != 1:
                 raise ValueError("backward_passes_per_step must be 1 with op=hvd.Adasum for a tf.compat.v1.train "
                                  "optimizer (each step's deltas are reduced).")
-            return LegacyAdasumOptimizer(optimizer, name, use_locking, compression=compression)
+            return LegacyAdasumOptimizer(optimizer, name, use_locking, compression=compression,
+                                         process_set=process_set)
         reducer = GradientReducer(compression=compression, sparse_as_dense=sparse_as_dense, op=op,
                                   gradient_predivide_factor=gradient_predivide_factor, num_groups=num_groups,
                                   groups=groups, process_set=process_set,

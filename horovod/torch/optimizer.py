@@ -37,7 +37,6 @@ from horovod.base.config import read_env
 from horovod.base.reduce_ops import predivide_scales
 from horovod.common import basics
 from horovod.common.basics import Adasum, Average
-from horovod.common.ops import check_adasum
 from horovod.common.process_sets import ProcessSet, global_process_set
 from horovod.common.util import split_list
 from horovod.torch.compression import Compression, Compressor
@@ -574,8 +573,6 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
 
     Raises:
         ValueError: for invalid arguments (the message names the argument).
-        NotImplementedError: ``op=Adasum`` on a process set other than the global one, or on a number of
-            ranks that is not a power of two (upstream's limits).
     """
     if gradient_predivide_factor != 1.0 and op != Average:
         raise ValueError("gradient_predivide_factor not supported with op != Average")
@@ -592,7 +589,6 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     if op == Adasum and basics.size() > 1:
         from horovod.torch.adasum_optimizer import _DistributedAdasumOptimizer
 
-        check_adasum(process_set)
         return _DistributedAdasumOptimizer(optimizer, named_parameters, compression, backward_passes_per_step,
                                            op, 1.0, None, False, process_set)
     return _DistributedOptimizer(optimizer, named_parameters, compression, backward_passes_per_step, op,

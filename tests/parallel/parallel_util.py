@@ -79,6 +79,8 @@ def adasum_expected(xs: list[np.ndarray]) -> np.ndarray:
         for a, b in zip(level[0::2], level[1::2]):
             dot, a2, b2 = np.inner(a, b), np.inner(a, a), np.inner(b, b)
             pairs.append((1.0 - dot / a2 * 0.5 if a2 else 1.0) * a + (1.0 - dot / b2 * 0.5 if b2 else 1.0) * b)
+        if len(level) % 2:  # ours beyond upstream: an odd member out goes up unchanged
+            pairs.append(level[-1])
         level = pairs
     return level[0].reshape(np.shape(xs[0]))
 

@@ -10,7 +10,7 @@ import os
 
 import numpy as np
 import pytest
-from parallel_util import ALL_DTYPES, allreduce_expected, assert_same, data, reducescatter_rows
+from parallel_util import ALL_DTYPES, adasum_expected, allreduce_expected, assert_same, data, reducescatter_rows, seed
 
 import horovod.numpy as hvd
 
@@ -128,6 +128,18 @@ def test_overlapping_sets_async_in_the_same_order():
         out = hvd.synchronize(h)
         expected = {"two": 3.0, "global": float(size), "parity": float(len(my_parity_set().ranks))}[kind]
         np.testing.assert_array_equal(out, np.full(4, expected))
+
+
+def test_adasum_in_disjoint_sets_concurrently():
+    """Adasum on a process set (upstream: global set only): each parity set combines its own members'
+    tensors, small (reduced by the coordinator) and large (the data plane), while the other set does too."""
+    ps = my_parity_set()
+    members = ps.ranks
+    for shape in [(9,), (200_000,)]:
+        xs = {r: np.random.default_rng([seed("adasum.set", shape[0]), r]).normal(size=shape).astype(np.float32)
+              for r in members}
+        got = hvd.allreduce(xs[hvd.rank()], op=hvd.Adasum, process_set=ps, name=f"adasum.set.{shape[0]}")
+        np.testing.assert_allclose(got, adasum_expected([xs[r] for r in members]), rtol=1e-5, atol=1e-5)
 
 
 def test_barrier_in_a_set():

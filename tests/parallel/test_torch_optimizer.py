@@ -230,12 +230,6 @@ def test_error_paths():
     p = next(model.parameters())
     with pytest.raises(ValueError, match="A parameter can only appear once in groups."):
         hvd.DistributedOptimizer(sgd, groups=[[p], [p]])
-    if SIZE & (SIZE - 1):
-        with pytest.raises(NotImplementedError, match="^Running Adasum with non-power of 2 ranks"):
-            hvd.DistributedOptimizer(sgd, op=hvd.Adasum)
-    if SIZE > 1:
-        with pytest.raises(NotImplementedError, match="^Adasum does not support non-global process sets"):
-            hvd.DistributedOptimizer(sgd, op=hvd.Adasum, process_set=hvd.ProcessSet([0]))
 
 
 @pytest.mark.parametrize("compression", ["none", "fp16"])
@@ -243,8 +237,8 @@ def test_adasum_combines_the_deltas_of_each_ranks_own_step(compression):
     """op=Adasum (upstream's delta optimizer): every rank steps its own optimizer (its own momentum) on its
     own gradient, and the parameters become start + Adasum(deltas).  Reference: every rank's step replayed
     here on copies, and the deltas combined with upstream's test reference."""
-    if SIZE & (SIZE - 1) or SIZE == 1:
-        pytest.skip("Adasum needs a power-of-two number of ranks above one")
+    if SIZE == 1:
+        pytest.skip("a single rank takes the plain optimizer's path")
     data = [[(torch.randn(5, 6, generator=torch.Generator().manual_seed(100 * s + k)),
               torch.randn(5, 3, generator=torch.Generator().manual_seed(999 + 100 * s + k))) for k in range(SIZE)]
             for s in range(3)]

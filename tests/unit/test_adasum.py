@@ -45,7 +45,6 @@ def test_tree_order_and_preconditions():
     xs = [np.array([1.0, 0.0]), np.array([0.0, 1.0]), np.array([1.0, 1.0]), np.array([-1.0, 0.0])]
     level1 = [adasum.combine(xs[0], xs[1]), adasum.combine(xs[2], xs[3])]  # neighbours first, as upstream
     np.testing.assert_array_equal(adasum.tree(xs, [2]), adasum.combine(*level1))
-    with pytest.raises(NotImplementedError, match="^Running Adasum with non-power of 2 ranks is not supported yet.$"):
-        adasum.tree(xs[:3], [2])
+    np.testing.assert_array_equal(adasum.tree(xs[:3], [2]), adasum.combine(level1[0], xs[2]))  # odd one goes up
     with pytest.raises(ValueError, match="not int32"):
         adasum.check_dtype(np.int32)

@@ -21,14 +21,13 @@ As upstream, ``synchronize()`` does nothing and ``skip_synchronize()`` is refuse
 from __future__ import annotations
 
 import contextlib
-import weakref
 from collections.abc import Iterable, Iterator
 
 import torch
 
 from horovod.common.basics import Adasum
 from horovod.torch.mpi_ops import grouped_allreduce_async_, synchronize
-from horovod.torch.optimizer import _DistributedOptimizer, _make_hook
+from horovod.torch.optimizer import _DistributedOptimizer
 
 __all__ = ["_DistributedAdasumOptimizer"]
 
@@ -37,19 +36,16 @@ class _DistributedAdasumOptimizer(_DistributedOptimizer):
     """See the module docstring; the wrapping (class, attributes, names) is :class:`_DistributedOptimizer`'s."""
 
     def _register_hooks(self, params: Iterable[torch.Tensor]) -> None:
+        params = list(params)
+        super()._register_hooks(params)
         if not hasattr(self, "_starts"):
             self._starts: dict[torch.Tensor, torch.Tensor] = {}
-        me = weakref.ref(self)
         for p in params:
-            if not p.requires_grad:
-                continue
-            self._requires_update.append(p)
-            self._delay[p] = self.backward_passes_per_step
-            self._starts[p] = torch.zeros_like(p, requires_grad=False)
-            if p not in self._parameter_names:
-                self._parameter_names[p] = f"param.extra.{len(self._parameter_names)}"
-            if self._active:
-                self._hook_handles.append(p.register_post_accumulate_grad_hook(_make_hook(me)))
+            if p.requires_grad:
+                self._starts[p] = torch.zeros_like(p, requires_grad=False)
+
+    def _make_buckets(self, params: list[torch.Tensor]) -> None:
+        """No gradient buckets: the deltas are reduced in ``step()``, not the gradients."""
 
     def _grad_ready(self, p: torch.Tensor) -> None:
         if self._delay[p] <= 0:

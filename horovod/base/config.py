@@ -213,9 +213,10 @@ KNOBS: tuple[Knob, ...] = (
          "--cycle-time-ms", float, "Upper bound in ms on how long the engine waits for more tensors to fuse.",
          "params.cycle_time_ms"),
     Knob("spin_wait_us", "HOROVOD_SPIN_WAIT_US",
-         functools.partial(parse_number, what="a number of microseconds"), 100.0,
-         None, None, "Microseconds a thread waiting for a result polls before it sleeps (0: never; it backs "
-         "off by itself when polling finds nothing).", None),
+         functools.partial(parse_number, what="a number of microseconds"), 500.0,
+         None, None, "Most microseconds a thread waiting for a result polls before it sleeps (0: never); it "
+         "polls for twice the typical wait seen lately and backs off by itself when polling finds nothing.",
+         None),
     Knob("cache_capacity", "HOROVOD_CACHE_CAPACITY", _count(), 1024,
          "--cache-capacity", int, "Response cache capacity (0 disables the cache).", "params.cache_capacity"),
     Knob("hierarchical_allreduce", "HOROVOD_HIERARCHICAL_ALLREDUCE", parse_bool, None,

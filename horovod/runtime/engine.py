@@ -65,6 +65,10 @@ _KEEPALIVE = 3  # payload: the sender's time.monotonic() as a big-endian double
 _PARAMS = 4  # rank 0 -> workers: autotune's next parameters (Params.pack), in order with the responses
 _STAMP = struct.Struct("!d")
 _SHUTDOWN_ACK_TIMEOUT = 5.0
+# The bounded spin of a synchronous op's caller (Engine._spin): at least this long, and it starts from this
+# typical wait (a small op's round trip on a quick host) until waits on this host are measured.
+_MIN_SPIN = 50e-6
+_FIRST_TYPICAL_WAIT = 50e-6
 # Allreduces of at most this many bytes per batch travel with their request and are reduced by the
 # coordinator, which answers with the result: one round trip instead of negotiation plus a data exchange.
 _INLINE_BYTES = 64 * 1024
@@ -204,9 +208,10 @@ class Engine:
         self.stopped = threading.Event()
         self._exited = False  # stopped.is_set() without a call, on the enqueue path
         self._forked_from: int | None = None  # set in a forked child (orphan_after_fork)
-        self._spin_time = max(0.0, config.spin_wait_us) * 1e-6
-        self._spin_skip = 0  # waits left before a driving caller spins again (see _spin)
+        self._spin_time = max(0.0, config.spin_wait_us) * 1e-6  # the most one spin lasts (see _spin)
+        self._spin_skip = 0  # waits left before a driving caller spins again
         self._spin_backoff = 1
+        self._typical_wait = _FIRST_TYPICAL_WAIT  # running mean of a synchronous op's waits (see _learn_wait)
         # Rounds of engine work run under ``_drive``, in the engine thread or in a caller waiting for a result
         # (_drive_until).  ``_ctrl`` polls the control channels; the engine thread sleeps on ``_idle`` (wake
         # pipe + ``_ctrl``), a driving caller on ``_drive_poll`` (the same two).
@@ -466,8 +471,12 @@ class Engine:
                         if left <= 0:
                             break
                         timeout = min(timeout, left)
-                    events = self._spin(poll) if spin and timeout > 0 else None
-                    if not events:
+                    if spin and timeout > 0:
+                        began = time.perf_counter()
+                        events = self._spin(poll) or poll(timeout)
+                        if events:
+                            self._learn_wait(time.perf_counter() - began)
+                    else:
                         events = poll(timeout)
                     for fd, _ in events:
                         if fd == wake_fd:
@@ -508,22 +517,27 @@ class Engine:
                 self.queue.wake()
 
     def _spin(self, poll) -> list | None:
-        """Poll without sleeping for up to ``HOROVOD_SPIN_WAIT_US`` before the caller sleeps.
+        """Poll without sleeping for a while before the caller sleeps; the answer's events, or None.
 
         When the answer comes while spinning, the two thread wake-ups (ours, and the peer's if it spins
-        too) cost nothing, which more than halves a small op's latency when each rank has a core.  On an
-        oversubscribed host the peer is often not running and the spin only burns a core, so after a spin
-        that found nothing the next ones are skipped (1, 2, 4 ... 64 waits) until one succeeds again.
-        Only the caller of a synchronous op spins (``hvd.allreduce``, ``allreduce_``: enqueued and waited for
-        at once); a training step's wait for the gradients it reduced asynchronously does not, as measured
-        on the shared 2-core host, where spinning there cost some runs 8-11% of their steps.
+        too) cost nothing, which more than halves a small op's latency when each rank has a core.  How long
+        an answer takes depends on the host: 40-60 us where a Python step costs what it did on the host the
+        spin was first tuned on, three times that on a VM whose cores run Python three times slower.  A fixed
+        spin too short for the host always ends just before the answer (and then backs off, below), so the
+        spin lasts twice the typical wait seen lately (:meth:`_learn_wait`), never more than
+        ``HOROVOD_SPIN_WAIT_US``.  On an oversubscribed host the peer is often not running and the spin only
+        burns a core, so after a spin that found nothing the next ones are skipped (1, 2, 4 ... 64 waits)
+        until one succeeds again.  Only the caller of a synchronous op spins (``hvd.allreduce``,
+        ``allreduce_``: enqueued and waited for at once); a training step's wait for the gradients it reduced
+        asynchronously does not, as measured on the shared 2-core host, where spinning there cost some runs
+        8-11% of their steps.
         """
         if not self._spin_time:
             return None
         if self._spin_skip:
             self._spin_skip -= 1
             return None
-        until = time.perf_counter() + self._spin_time
+        until = time.perf_counter() + min(self._spin_time, max(_MIN_SPIN, 2.0 * self._typical_wait))
         while True:
             events = poll(0)
             if events:
@@ -533,6 +547,13 @@ class Engine:
                 self._spin_skip = self._spin_backoff
                 self._spin_backoff = min(64, 2 * self._spin_backoff)
                 return None
+
+    def _learn_wait(self, waited: float) -> None:
+        """Fold one wait of a synchronous op's caller (spin and sleep, until events came) into the running
+        mean the spin is sized from.  A wait longer than the spin's bound counts as that bound: a peer that
+        is late by milliseconds (still computing) says nothing about how fast this host answers, and the
+        backoff takes care of it."""
+        self._typical_wait += (min(waited, self._spin_time) - self._typical_wait) * 0.125
 
     def _on_frames(self, reader: FrameReader) -> None:
         """Handle the control frames that arrived from one peer (all of them, without waiting for more)."""

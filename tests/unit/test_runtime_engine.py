@@ -19,8 +19,9 @@ from horovod.runtime.queue import TensorEntry, TensorQueue
 F32 = dtype_code(np.float32)
 
 
-def _spinner(spin_us: float = 200.0):
-    return types.SimpleNamespace(_spin_time=spin_us * 1e-6, _spin_skip=0, _spin_backoff=1)
+def _spinner(spin_us: float = 200.0, typical_us: float = 50.0):
+    return types.SimpleNamespace(_spin_time=spin_us * 1e-6, _spin_skip=0, _spin_backoff=1,
+                                 _typical_wait=typical_us * 1e-6)
 
 
 def test_spin_returns_what_arrives_while_it_polls():
@@ -37,7 +38,7 @@ def test_spin_returns_what_arrives_while_it_polls():
 
 
 def test_spin_is_bounded_and_backs_off_after_finding_nothing():
-    eng = _spinner(spin_us=300.0)
+    eng = _spinner(spin_us=300.0, typical_us=300.0)
     polls = []
 
     def empty(timeout):
@@ -63,6 +64,37 @@ def test_spin_is_bounded_and_backs_off_after_finding_nothing():
     eng._spin_skip = 0
     assert Engine._spin(eng, lambda t: [(1, 1)]) == [(1, 1)]
     assert eng._spin_backoff == 1
+
+
+def _spin_length(eng) -> float:
+    """How long one spin that finds nothing polls (seconds)."""
+    eng._spin_skip = 0
+    t0 = time.perf_counter()
+    assert Engine._spin(eng, lambda timeout: []) is None
+    return time.perf_counter() - t0
+
+
+@pytest.mark.parametrize("typical_ms, cap_ms, expect_ms", [(4.0, 20.0, 8.0), (4.0, 3.0, 3.0), (0.0, 20.0, 0.05)])
+def test_spin_lasts_twice_the_typical_wait_within_the_bound(typical_ms, cap_ms, expect_ms):
+    """A host whose answers take 4 ms (a slow one, scaled up so the test measures it) spins for 8 ms; the
+    knob bounds it; a host answering at once still spins the floor (50 us)."""
+    eng = _spinner(spin_us=cap_ms * 1e3, typical_us=typical_ms * 1e3)
+    took = min(_spin_length(eng) for _ in range(3))  # the quickest of three: scheduling only adds
+    assert expect_ms * 1e-3 <= took < expect_ms * 1e-3 + 0.004
+
+
+def test_learned_wait_follows_the_host_and_ignores_late_peers():
+    eng = _spinner(spin_us=500.0, typical_us=50.0)
+    for _ in range(60):
+        Engine._learn_wait(eng, 180e-6)  # this host answers in 180 us
+    assert eng._typical_wait == pytest.approx(180e-6, rel=0.01)
+    assert 2 * eng._typical_wait <= eng._spin_time  # so the spin (360 us) outlasts the answer
+    for _ in range(60):
+        Engine._learn_wait(eng, 0.05)  # a peer still computing for 50 ms: counts as the bound, no more
+    assert eng._typical_wait == pytest.approx(500e-6, rel=0.01)
+    for _ in range(60):
+        Engine._learn_wait(eng, 60e-6)  # and it comes back down
+    assert eng._typical_wait == pytest.approx(60e-6, rel=0.05)
 
 
 def test_spin_disabled_by_zero():

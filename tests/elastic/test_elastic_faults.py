@@ -128,3 +128,19 @@ def test_discovery_fails_mid_run(elastic_job):
     assert job.assert_exact()["sizes"] == [2]
     assert "host discovery failed" in job.log_text()
     job.assert_no_leftovers()
+
+
+def test_waiting_for_slots_is_reported(elastic_job):
+    """No host yet: the driver says what it waits for (not a silent job for up to --elastic-timeout), then
+    starts once the hosts appear, and the outcome is exact."""
+    job = elastic_job([], ARGS)
+    deadline = time.monotonic() + 30
+    while "elastic: waiting for 2 slots to start; 0 available now (usable hosts: none)" not in job.log_text():
+        assert time.monotonic() < deadline and job.proc.poll() is None, job.output()
+        time.sleep(0.1)
+    assert "giving up in" in job.log_text()
+    job.set_hosts(TWO_HOSTS)
+    assert job.wait() == 0, job.output()
+    assert job.assert_exact()["sizes"] == [2]
+    assert "elastic: 2 slots available after" in job.log_text()
+    job.assert_no_leftovers()

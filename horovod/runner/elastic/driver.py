@@ -54,6 +54,8 @@ DEFAULT_GRACE_SECONDS = ENV_VARS["HOROVOD_ELASTIC_GRACE_SECONDS"].default
 """After one worker left a generation, how long the others may take to leave too before they count as hung."""
 
 _TICK = 0.1
+_FIRST_WAIT_REPORT_SECS = 5.0  # a wait for slots says so after this long
+_WAIT_REPORT_SECS = 30.0  # and again this often
 _RANK_VARS = ("HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_SIZE", "HOROVOD_CROSS_RANK", "HOROVOD_CROSS_SIZE")
 
 
@@ -213,13 +215,28 @@ class ElasticDriver:
             logger.warning("elastic: host discovery failed, keeping the last known hosts: %s", e)
 
     def _wait_for_slots(self, needed: int, why: str) -> None:
-        deadline = time.monotonic() + self.elastic_timeout
-        last = [time.monotonic()]
+        """Until the usable hosts offer ``needed`` slots; says so in the log when it has to wait (after
+        :data:`_FIRST_WAIT_REPORT_SECS`, then every :data:`_WAIT_REPORT_SECS`), since the wait may last
+        ``--elastic-timeout`` (10 minutes by default) and a user would otherwise see a job that does nothing."""
+        started = time.monotonic()
+        deadline = started + self.elastic_timeout
+        last = [started]
+        first_report = next_report = started + _FIRST_WAIT_REPORT_SECS
         while True:
             self._check_stop()
-            available = sum(h.slots for h in self.hosts.usable_hosts())
+            usable = self.hosts.usable_hosts()
+            available = sum(h.slots for h in usable)
             if available >= needed:
+                if next_report > first_report:
+                    logger.info("elastic: %d slots available after %.0f s of waiting", available,
+                                time.monotonic() - started)
                 return
+            now = time.monotonic()
+            if now >= next_report and not self.hosts.all_blacklisted():
+                hosts = ", ".join(f"{h.hostname}:{h.slots}" for h in usable) or "none"
+                logger.warning("elastic: waiting for %d slots %s; %d available now (usable hosts: %s); giving "
+                               "up in %.0f s (--elastic-timeout)", needed, why, available, hosts, deadline - now)
+                next_report = now + _WAIT_REPORT_SECS
             if self.hosts.all_blacklisted():
                 raise RuntimeError(f"All hosts are blacklisted; {needed} slots needed {why}.")
             if time.monotonic() > deadline:

@@ -68,6 +68,9 @@ class UpdateBatchStateCallback(keras.callbacks.Callback):
         self.state = state
         self.steps_per_epoch = None
 
+    def on_train_begin(self, logs: Any = None) -> None:
+        self.steps_per_epoch = None  # each fit (after a reset: with the restored state) measures it anew
+
     def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
         if self.params.get("steps"):
             if self.steps_per_epoch is None:
@@ -88,6 +91,10 @@ class UpdateEpochStateCallback(keras.callbacks.Callback):
         super().__init__()
         self.state = state
         self.initial_epoch = state.epoch
+
+    def on_train_begin(self, logs: Any = None) -> None:
+        # Keras counts epochs from 0 in every fit; after a reset, fit runs again from the restored state.
+        self.initial_epoch = self.state.epoch
 
     def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
         self.state.epoch = self.initial_epoch + epoch + 1

@@ -32,3 +32,51 @@ def test_keras_kill_worker_mid_epoch(elastic_job):
     assert result["sizes"] == [2, 1], result
     assert "blacklisting host 127.0.0.1" in job.log_text()
     job.assert_no_leftovers()
+
+
+_STATE_CALLBACKS = r"""
+import json, sys
+import numpy as np
+import keras
+import horovod.tensorflow.keras as hvd
+
+hvd.init()
+model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.1)), loss="mse")
+x, y = np.ones((64, 2), np.float32), np.ones((64, 1), np.float32)
+state = hvd.elastic.KerasState(model, batch=0, epoch=0)
+callbacks = [hvd.elastic.UpdateEpochStateCallback(state), hvd.elastic.UpdateBatchStateCallback(state)]
+steps = []
+
+class Steps(keras.callbacks.Callback):
+    def on_epoch_begin(self, epoch, logs=None):
+        steps.append(self.params.get("steps"))
+
+def fit(epochs, per_epoch):
+    model.fit(x, y, batch_size=8, epochs=epochs, steps_per_epoch=per_epoch, verbose=0,
+              callbacks=[*callbacks, Steps()])
+
+fit(1, 4)
+after_first = state.epoch
+state.epoch, state.batch = 1, 3  # what hvd.elastic.run restores: epoch 1 committed 3 batches in
+fit(2, 8)
+json.dump({"after_first": after_first, "after_second": state.epoch, "steps": steps}, sys.stdout)
+"""
+
+
+def test_state_callbacks_start_from_the_restored_state_in_every_fit():
+    """After a reset ``hvd.elastic.run`` calls ``fit`` again with the same callbacks: the epoch count continues
+    from the restored ``state.epoch`` and the first epoch is shortened by the restored ``state.batch`` of *this*
+    fit's steps (upstream resets both at ``on_train_begin``; they were kept from the first ``fit``)."""
+    import json
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HOROVOD_", "OMPI_", "PMI_"))}
+    out = subprocess.run([sys.executable, "-c", _STATE_CALLBACKS], env=env, capture_output=True, text=True,
+                         timeout=100)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["after_first"] == 1
+    assert result["after_second"] == 1 + 2  # restored epoch + the two epochs this fit ran
+    assert result["steps"] == [4, 8 - 3, 8]  # the restored batches come off this fit's first epoch only

@@ -282,7 +282,8 @@ def run_fn(func: Callable[..., Any], reset: Callable[[], None]) -> Callable[...,
                         state.sync()
                     return func(state, *args, **kwargs)
                 except HorovodInternalError as e:
-                    logger.warning("elastic: collective failed, rolling back to the last commit: %s", e)
+                    logger.warning("elastic: collective failed, rolling back to the last commit: %s", _first_line(e))
+                    logger.debug("elastic: the whole error: %s", e)
                     state.restore()
                     skip_sync = False
                 except HostsUpdatedInterrupt as e:
@@ -294,6 +295,15 @@ def run_fn(func: Callable[..., Any], reset: Callable[[], None]) -> Callable[...,
             manager.remove_listener(state)
 
     return wrapper
+
+
+def _first_line(error: BaseException) -> str:
+    """The gist of an error the job recovers from: TensorFlow appends the whole graph's traceback to an op's
+    message (hundreds of lines per rank, for a failure that was handled)."""
+    lines = [line for line in str(error).splitlines() if line.strip()]
+    if len(lines) <= 1:
+        return lines[0] if lines else repr(error)
+    return f"{lines[0]} [{len(lines) - 1} more lines at debug level]"
 
 
 def _basics_reset() -> None:

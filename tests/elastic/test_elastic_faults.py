@@ -144,3 +144,21 @@ def test_waiting_for_slots_is_reported(elastic_job):
     assert job.assert_exact()["sizes"] == [2]
     assert "elastic: 2 slots available after" in job.log_text()
     job.assert_no_leftovers()
+
+
+def test_every_host_failed_names_the_first_failed_worker(tmp_path):
+    """As upstream: when every host is blacklisted the job ends with the failed workers' message (the first
+    one's rank and exit code) and that exit code, not only the driver's own reason."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "discover.sh"
+    script.write_text("#!/bin/sh\necho localhost:1\n")
+    script.chmod(0o755)
+    out = subprocess.run([sys.executable, "-m", "horovod.runner", "-np", "1", "--min-np", "1",
+                          "--host-discovery-script", str(script), sys.executable, "-c", "import sys; sys.exit(3)"],
+                         capture_output=True, text=True, timeout=60, cwd=str(tmp_path))
+    text = out.stdout + out.stderr
+    assert out.returncode == 3, text
+    assert "Horovod detected that one or more processes exited with non-zero status" in text
+    assert "Process name: 0\nExit code: 3\n(All hosts are blacklisted; 1 slots needed to continue.)" in text

@@ -59,6 +59,10 @@ _WAIT_REPORT_SECS = 30.0  # and again this often
 _RANK_VARS = ("HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_SIZE", "HOROVOD_CROSS_RANK", "HOROVOD_CROSS_SIZE")
 
 
+class AllHostsBlacklisted(RuntimeError):
+    """Every host failed (and is blacklisted for good): the job cannot go on."""
+
+
 @dataclasses.dataclass
 class _Worker:
     slot: str
@@ -121,6 +125,7 @@ class ElasticDriver:
         self.plan = _Plan({})
         self.reset_count = 0
         self.workers: dict[str, _Worker] = {}
+        self.first_failure: tuple[int, int] | None = None  # (rank, exit code) of the first worker that failed
         self._exits: queue.Queue[tuple[_Worker, int]] = queue.Queue()
         self._hosts_ts = 0.0
         self._notice_ts = 0.0
@@ -238,7 +243,7 @@ class ElasticDriver:
                                "up in %.0f s (--elastic-timeout)", needed, why, available, hosts, deadline - now)
                 next_report = now + _WAIT_REPORT_SECS
             if self.hosts.all_blacklisted():
-                raise RuntimeError(f"All hosts are blacklisted; {needed} slots needed {why}.")
+                raise AllHostsBlacklisted(f"All hosts are blacklisted; {needed} slots needed {why}.")
             if time.monotonic() > deadline:
                 raise RuntimeError(f"Timed out waiting for {needed} slots {why} (found {available}; "
                                    f"--elastic-timeout {self.elastic_timeout:.0f} s).")
@@ -319,7 +324,8 @@ class ElasticDriver:
         delay = self.hosts.blacklist(worker.host)
         logger.warning("elastic: blacklisting host %s%s", worker.host,
                        "" if delay == float("inf") else f" for {delay:.0f} s")
-        self._first_failure = getattr(self, "_first_failure", None) or (rank, worker.exited or 1)
+        if self.first_failure is None:
+            self.first_failure = (rank, worker.exited or 1)
 
     def _start_reset(self) -> float:
         logger.info("elastic: generation %d is over; waiting for its workers to leave", self.generation)
@@ -497,6 +503,14 @@ def run_elastic(job: JobSpec, stop_event: threading.Event | None = None) -> list
         cooldown_range=job.cooldown_range, nics=job.nics, stop_event=stop_event, ssh_options=ssh_options,
         output=spawn.OutputOptions(prefix_timestamp=job.prefix_output_with_timestamp), store_items=store_items,
         result_scope=run_func.RESULT_SCOPE if job.run_func is not None else None)
-    payloads = driver.run()
+    try:
+        payloads = driver.run()
+    except AllHostsBlacklisted as e:
+        if driver.first_failure is None:
+            raise
+        # Upstream stops the job here and reports its failed workers: the first one, in its words.
+        failure = spawn.JobFailure(*driver.first_failure)
+        failure.args = (f"{failure.args[0]}({e})\n",)
+        raise failure from None
     # Upstream returns the first min_np results: the ranks every generation has.
     return None if payloads is None else run_func.decode_results(payloads[:min_np])

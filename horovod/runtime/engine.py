@@ -85,6 +85,14 @@ class Topology:
     hostname: str = "localhost"
 
 
+def _usable_cores() -> int:
+    """The CPUs this process may run on (its affinity mask, e.g. a container's cpuset)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 def engine_core(config: RuntimeConfig, topology: Topology) -> int | None:
     """The CPU core ``HOROVOD_THREAD_AFFINITY`` gives this rank's engine thread (its local rank's entry), or
     None when unset.
@@ -209,6 +217,8 @@ class Engine:
         self._exited = False  # stopped.is_set() without a call, on the enqueue path
         self._forked_from: int | None = None  # set in a forked child (orphan_after_fork)
         self._spin_time = max(0.0, config.spin_wait_us) * 1e-6  # the most one spin lasts (see _spin)
+        if topology.local_size > _usable_cores():
+            self._spin_time = 0.0  # more ranks here than cores: a spinning rank takes the core a peer needs
         self._spin_skip = 0  # waits left before a driving caller spins again
         self._spin_backoff = 1
         self._typical_wait = _FIRST_TYPICAL_WAIT  # running mean of a synchronous op's waits (see _learn_wait)
@@ -525,12 +535,13 @@ class Engine:
         spin was first tuned on, three times that on a VM whose cores run Python three times slower.  A fixed
         spin too short for the host always ends just before the answer (and then backs off, below), so the
         spin lasts twice the typical wait seen lately (:meth:`_learn_wait`), never more than
-        ``HOROVOD_SPIN_WAIT_US``.  On an oversubscribed host the peer is often not running and the spin only
-        burns a core, so after a spin that found nothing the next ones are skipped (1, 2, 4 ... 64 waits)
-        until one succeeds again.  Only the caller of a synchronous op spins (``hvd.allreduce``,
-        ``allreduce_``: enqueued and waited for at once); a training step's wait for the gradients it reduced
-        asynchronously does not, as measured on the shared 2-core host, where spinning there cost some runs
-        8-11% of their steps.
+        ``HOROVOD_SPIN_WAIT_US``.  With more ranks on this host than cores it does not spin at all (a
+        spinning rank would take the core a peer needs to answer).  On an otherwise busy host the peer is
+        often not running and the spin only burns a core, so after a spin that found nothing the next ones are
+        skipped (1, 2, 4 ... 64 waits) until one succeeds again.  Only the caller of a synchronous op spins
+        (``hvd.allreduce``, ``allreduce_``: enqueued and waited for at once); a training step's wait for the
+        gradients it reduced asynchronously does not, as measured on the shared 2-core host, where spinning
+        there cost some runs 8-11% of their steps.
         """
         if not self._spin_time:
             return None

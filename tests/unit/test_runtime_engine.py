@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import select
 import threading
 import time
@@ -129,6 +130,20 @@ def test_push_without_waking_and_ensure_awake():
         assert not select.select([q.wake_fd], [], [], 0)[0]
     finally:
         q.close()
+
+
+def test_no_spin_with_more_local_ranks_than_cores():
+    """A spinning rank would take the core a peer on the same host needs to answer it."""
+    cores = len(os.sched_getaffinity(0))
+    config = RuntimeConfig(spin_wait_us=500.0)
+    fits = Engine(Topology(0, cores, local_size=cores), config)
+    crowded = Engine(Topology(0, cores + 1, local_size=cores + 1), config)
+    try:
+        assert fits._spin_time == pytest.approx(500e-6)
+        assert crowded._spin_time == 0.0
+    finally:
+        for engine in (fits, crowded):  # never started: only the wake pipe to close
+            engine.queue.close()
 
 
 def test_single_rank_engine_runs_rounds_in_the_waiting_thread():

@@ -1,15 +1,19 @@
 """Run by tests/spark/test_lightning_estimator.py under ``horovodrun -np 2``: a LightningModule trained with
-HorovodStrategy, each rank on its own data; rank 0 prints the final weights as JSON."""
+HorovodStrategy, each rank on its own data; rank 0 prints the final weights as JSON.  ``TEST_LIGHTNING`` names
+the Lightning package the module and trainer come from (``lightning.pytorch`` or ``pytorch_lightning``)."""
 
 from __future__ import annotations
 
+import importlib
 import json
+import os
 
 import torch
 
 import horovod.torch as hvd
-from horovod.spark.lightning.compat import pl
-from horovod.spark.lightning.strategy import HorovodStrategy
+from horovod.spark.lightning.strategy import strategy_for
+
+pl = importlib.import_module(os.environ.get("TEST_LIGHTNING", "lightning.pytorch"))
 
 STEPS, BATCH, EPOCHS, LR = 4, 8, 2, 0.05
 
@@ -45,7 +49,7 @@ def main() -> None:
     x, y = rank_data(hvd.rank())
     batches = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=BATCH, shuffle=False)
     model = Regression()
-    trainer = pl.Trainer(strategy=HorovodStrategy(), accelerator="cpu", devices=1, max_epochs=EPOCHS, logger=False,
+    trainer = pl.Trainer(strategy=strategy_for(pl)(), accelerator="cpu", devices=1, max_epochs=EPOCHS, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          num_sanity_val_steps=0, use_distributed_sampler=False)
     trainer.fit(model, batches)

@@ -29,7 +29,7 @@ pytest.importorskip("pyarrow")
 
 import lightning_strategy_job as job  # noqa: E402
 from estimator_checks import check_regression, regression_frame  # noqa: E402
-from launch_util import launch  # noqa: E402
+from launch_util import clean_env, launch  # noqa: E402
 from pyspark import cloudpickle as spark_cloudpickle  # noqa: E402
 
 from horovod.spark.common.store import Store  # noqa: E402
@@ -40,9 +40,13 @@ for _pickler in (cloudpickle, spark_cloudpickle):
 
 
 
-def test_strategy_matches_single_process_reference():
+@pytest.mark.parametrize("flavour", ["lightning.pytorch", "pytorch_lightning"])
+def test_strategy_matches_single_process_reference(flavour):
+    """Also for a module of ``pytorch_lightning`` (upstream's examples import it; ``lightning`` installs it as a
+    second package with classes of its own)."""
+    pytest.importorskip(flavour)
     code, out, _ = launch(2, [sys.executable, os.path.join(os.path.dirname(__file__), "lightning_strategy_job.py")],
-                          timeout=240)
+                          env=clean_env(TEST_LIGHTNING=flavour), timeout=240)
     assert code == 0, out[-4000:]
     line = next(ln for ln in out.splitlines() if "RESULT " in ln)
     result = json.loads(line.split("RESULT ", 1)[1])
@@ -126,6 +130,25 @@ def test_estimator_learns_transform_matches_and_resumes(regression, tmp_path):
     assert (int(trained.started_at), int(trained.ended_at)) == (2, 5)  # after the checkpoint's 2 epochs, 3 more
     assert resumed.getHistory()["val_loss"] < first.getHistory()["val_loss"]
     check_regression(resumed, regression, trained, trained.linear.weight, trained.linear.bias)
+
+
+def test_a_pytorch_lightning_module_is_accepted(tmp_path):
+    """Upstream's examples subclass ``pytorch_lightning.LightningModule`` (a class distinct from
+    ``lightning.pytorch``'s when both are installed): the estimator takes it and trains it with that package."""
+    from horovod.spark.lightning.compat import flavour_of
+    from horovod.spark.lightning.estimator import MIN_PL_VERSION  # where upstream's examples import it
+    from horovod.spark.lightning.strategy import strategy_for
+
+    legacy = pytest.importorskip("pytorch_lightning")
+    assert tuple(int(v) for v in legacy.__version__.split(".")[:2]) >= tuple(map(int, MIN_PL_VERSION.split(".")[:2]))
+
+    class Legacy(legacy.LightningModule):
+        pass
+
+    model = Legacy()
+    assert flavour_of(model) is legacy and flavour_of(Regression()) is pl
+    assert issubclass(strategy_for(legacy), legacy.strategies.ParallelStrategy)
+    _estimator(Store.create(str(tmp_path)), 1, model=model)._check_params()  # no ValueError
 
 
 def test_bad_input(regression, tmp_path):

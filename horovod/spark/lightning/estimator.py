@@ -22,7 +22,11 @@ from horovod.spark.common.params import add_accessors, param
 from horovod.spark.lightning import remote
 from horovod.spark.torch.estimator import TorchModel, check_input_shapes, worker_spec_fields
 
-__all__ = ["TorchEstimator", "TorchModel"]
+__all__ = ["TorchEstimator", "TorchModel", "MIN_PL_VERSION"]
+
+MIN_PL_VERSION = "2.0.0"
+"""The oldest Lightning this estimator trains with (upstream's constant, "1.3.8" there for pytorch_lightning 1.x;
+its examples skip themselves below it)."""
 
 logger = logging.getLogger("horovod.spark")
 
@@ -87,13 +91,13 @@ class TorchEstimator(HorovodEstimator):
         return {name: spec[0] for name, spec in _LIGHTNING_PARAMS.items()}
 
     def _check_params(self) -> None:
-        from horovod.spark.lightning.compat import pl
+        from horovod.spark.lightning.compat import FLAVOURS, flavour_of
 
         super()._check_params()
-        if not isinstance(self.getModel(), pl.LightningModule):
-            raise ValueError(f"model must be a LightningModule ({pl.__name__}.LightningModule), got "
-                             f"{type(self.getModel()).__name__}; train a plain torch.nn.Module with "
-                             f"horovod.spark.torch.TorchEstimator")
+        if flavour_of(self.getModel()) is None:
+            kinds = " or ".join(f"{name}.LightningModule" for name in FLAVOURS)
+            raise ValueError(f"model must be a LightningModule ({kinds}), got {type(self.getModel()).__name__}; "
+                             f"train a plain torch.nn.Module with horovod.spark.torch.TorchEstimator")
         given = [name for name in ("optimizer", "loss", "loss_weights") if self.getOrDefault(name) is not None]
         if given:
             raise ValueError(f"Parameter(s) {given} must not be given with a LightningModule: it defines its "

@@ -80,15 +80,16 @@ def train(spec: LightningSpec) -> dict[str, Any] | None:
     import torch
 
     from horovod.spark.common.reader import open_readers, reader_columns
-    from horovod.spark.lightning.compat import pl
-    from horovod.spark.lightning.strategy import HorovodStrategy
+    from horovod.spark.lightning import compat
+    from horovod.spark.lightning.strategy import strategy_for
     from horovod.spark.torch import batches as tb
     from horovod.spark.torch.remote import init_worker
 
     rank, size = init_worker(spec.mp_start_method)
+    model = spec.model
+    pl = compat.flavour_of(model) or compat.pl  # the Lightning package the model's class comes from
     if spec.seed is not None:
         pl.seed_everything(spec.seed, workers=True, verbose=False)
-    model = spec.model
     dtype = tb.float_dtype(model)
     columns = reader_columns(spec.feature_columns, spec.label_columns, spec.sample_weight_col)
     others = [c for c in columns if c not in spec.feature_columns]
@@ -113,7 +114,7 @@ def train(spec: LightningSpec) -> dict[str, Any] | None:
             pl, os.path.join(local_dir, spec.remote_store.checkpoint_filename), spec.remote_store, rank))
         cuda = spec.use_gpu and torch.cuda.is_available()
         trainer_args = dict(
-            accelerator="gpu" if cuda else "cpu", devices=1, strategy=HorovodStrategy(use_gpu=spec.use_gpu),
+            accelerator="gpu" if cuda else "cpu", devices=1, strategy=strategy_for(pl)(use_gpu=spec.use_gpu),
             max_epochs=spec.epochs, callbacks=callbacks, default_root_dir=local_dir, num_sanity_val_steps=0,
             logger=spec.logger if spec.logger is not None else _default_logger(
                 pl, os.path.join(local_dir, spec.remote_store.logs_subdir)),

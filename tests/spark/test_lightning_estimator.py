@@ -79,12 +79,15 @@ class Regression(pl.LightningModule):
         self.linear = torch.nn.Linear(3, 1)
         self.register_buffer("started_at", torch.tensor(-1))
         self.register_buffer("ended_at", torch.tensor(-1))
+        self.register_buffer("mpi_started", torch.tensor(-1))
 
     def forward(self, features):
         return self.linear(features)
 
     def on_train_start(self):
         self.started_at.fill_(self.current_epoch)
+        mpi = sys.modules.get("mpi4py.MPI")  # Lightning's MPI probe would have imported (and initialised) it
+        self.mpi_started.fill_(int(mpi is not None and mpi.Is_initialized()))
 
     def on_train_end(self):
         self.ended_at.fill_(self.current_epoch)
@@ -122,6 +125,7 @@ def test_estimator_learns_transform_matches_and_resumes(regression, tmp_path):
     assert isinstance(first, TorchModel) and first.getRunId() == "lightning_run"
     assert set(first.getHistory()) >= {"train_loss", "val_loss"}
     assert (int(first.getModel().started_at), int(first.getModel().ended_at)) == (0, 2)
+    assert int(first.getModel().mpi_started) == 0  # no MPI_Init in the workers: the ranks are Horovod's
     assert store.exists(store.get_checkpoint_path("lightning_run"))
     assert store.list_files(store.get_logs_path("lightning_run"))  # the logger's files reached the store
 

@@ -13,6 +13,7 @@ and ``trainer.logged_metrics``.
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import tempfile
@@ -121,7 +122,11 @@ def train(spec: LightningSpec) -> dict[str, Any] | None:
             log_every_n_steps=spec.log_every_n_steps, use_distributed_sampler=False,
             enable_progress_bar=spec.verbose >= 2 and rank == 0, enable_model_summary=spec.verbose >= 2 and rank == 0,
             enable_checkpointing=any(isinstance(c, pl.callbacks.ModelCheckpoint) for c in callbacks),
-            profiler=spec.profiler)
+            profiler=spec.profiler,
+            # The ranks are Horovod's: without a cluster environment of its own, Lightning probes for one, and
+            # its MPI probe imports mpi4py, i.e. MPI_Init in every worker (a failure or a hang under some
+            # schedulers) for an answer HorovodStrategy does not use.
+            plugins=[importlib.import_module(f"{pl.__name__}.plugins.environments").LightningEnvironment()])
         resume = None
         if spec.checkpoint is not None:
             resume = os.path.join(scratch, "resume.ckpt")

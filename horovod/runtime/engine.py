@@ -463,7 +463,8 @@ class Engine:
             try:
                 poll = self._drive_poll.poll
                 wake_fd = self.queue.wake_fd
-                spin = getattr(handle, "sync", False)  # only a synchronous op's caller spins (see _spin)
+                # only a synchronous op's caller spins (see _spin), and only where spinning is on
+                spin = getattr(handle, "sync", False) and self._spin_time > 0
                 events = None
                 while True:
                     try:

@@ -237,12 +237,13 @@ class ElasticDriver:
                                 time.monotonic() - started)
                 return
             now = time.monotonic()
-            if now >= next_report and not self.hosts.all_blacklisted():
+            blacklisted = self.hosts.all_blacklisted()
+            if now >= next_report and not blacklisted:
                 hosts = ", ".join(f"{h.hostname}:{h.slots}" for h in usable) or "none"
                 logger.warning("elastic: waiting for %d slots %s; %d available now (usable hosts: %s); giving "
                                "up in %.0f s (--elastic-timeout)", needed, why, available, hosts, deadline - now)
                 next_report = now + _WAIT_REPORT_SECS
-            if self.hosts.all_blacklisted():
+            if blacklisted:
                 raise AllHostsBlacklisted(f"All hosts are blacklisted; {needed} slots needed {why}.")
             if time.monotonic() > deadline:
                 raise RuntimeError(f"Timed out waiting for {needed} slots {why} (found {available}; "

@@ -215,7 +215,8 @@ KNOBS: tuple[Knob, ...] = (
     Knob("spin_wait_us", "HOROVOD_SPIN_WAIT_US",
          functools.partial(parse_number, what="a number of microseconds"), 500.0,
          None, None, "Most microseconds a thread waiting for a result polls before it sleeps (0: never); it "
-         "polls for twice the typical wait seen lately and backs off by itself when polling finds nothing.",
+         "polls for twice the typical wait seen lately and backs off by itself when polling finds nothing; a "
+         "member waiting for a shared-memory token polls for at most 100 us of it.",
          None),
     Knob("cache_capacity", "HOROVOD_CACHE_CAPACITY", _count(), 1024,
          "--cache-capacity", int, "Response cache capacity (0 disables the cache).", "params.cache_capacity"),

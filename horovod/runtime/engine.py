@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from horovod.base.config import EnvVarError, RuntimeConfig, explicit_knobs
+from horovod.base.cores import may_spin
 from horovod.base.exceptions import SHUT_DOWN_MESSAGE, ShutdownError, WireError
 from horovod.runtime.autotune import ParameterManager, Params
 from horovod.runtime.coordinator import Coordinator, collective_failure
@@ -83,14 +84,6 @@ class Topology:
     cross_rank: int = 0
     cross_size: int = 1
     hostname: str = "localhost"
-
-
-def _usable_cores() -> int:
-    """The CPUs this process may run on (its affinity mask, e.g. a container's cpuset)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
 
 
 def engine_core(config: RuntimeConfig, topology: Topology) -> int | None:
@@ -217,7 +210,7 @@ class Engine:
         self._exited = False  # stopped.is_set() without a call, on the enqueue path
         self._forked_from: int | None = None  # set in a forked child (orphan_after_fork)
         self._spin_time = max(0.0, config.spin_wait_us) * 1e-6  # the most one spin lasts (see _spin)
-        if topology.local_size > _usable_cores():
+        if not may_spin(topology.local_size):
             self._spin_time = 0.0  # more ranks here than cores: a spinning rank takes the core a peer needs
         self._spin_skip = 0  # waits left before a driving caller spins again
         self._spin_backoff = 1

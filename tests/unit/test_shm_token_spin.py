@@ -1,0 +1,94 @@
+"""A member waiting for a shared-memory token polls briefly before it sleeps (ShmCommunicator._recv_token)."""
+
+from __future__ import annotations
+
+import socket
+import struct
+
+import pytest
+
+import horovod.base.cores as cores
+from horovod.transport.shm import TOKEN_SPIN_US, ShmCommunicator, token_spin
+
+
+class _Socket:
+    """Records how it was read: ``ready_after`` non-blocking reads fail before the token is there."""
+
+    def __init__(self, ready_after: int | None) -> None:
+        self.ready_after = ready_after
+        self.polls = 0
+        self.blocking_reads = 0
+
+    def recv_into(self, buf: bytearray, n: int, flags: int = 0) -> int:
+        if flags & socket.MSG_DONTWAIT:
+            self.polls += 1
+            if self.ready_after is None or self.polls <= self.ready_after:
+                raise BlockingIOError
+        else:
+            self.blocking_reads += 1
+        buf[0] = 1
+        return 1
+
+
+def _member(spin: float) -> ShmCommunicator:
+    member = ShmCommunicator.__new__(ShmCommunicator)  # only the token wait's state
+    member._spin, member._spin_skip, member._spin_backoff = spin, 0, 1
+    return member
+
+
+def test_a_token_that_comes_while_polling_is_taken_without_sleeping():
+    member, sock, tok = _member(10.0), _Socket(ready_after=3), bytearray(1)
+    assert member._recv_token(sock, tok) == 1 and tok[0] == 1
+    assert (sock.polls, sock.blocking_reads) == (4, 0)
+    assert (member._spin_skip, member._spin_backoff) == (0, 1)
+
+
+def test_a_poll_that_finds_nothing_sleeps_and_backs_off():
+    member, sock, tok = _member(200e-6), _Socket(ready_after=None), bytearray(1)
+    skipped = []
+    for _ in range(8):
+        polls = sock.polls
+        assert member._recv_token(sock, tok) == 1
+        skipped.append(sock.polls == polls)
+    assert sock.blocking_reads == 8  # every wait ended in the socket's own (bounded) read
+    # poll, then sleep at once for 1, 2, 4 waits before polling again
+    assert skipped == [False, True, False, True, True, False, True, True]
+    member._spin_skip = 0
+    member._spin_backoff = 64
+    member._recv_token(sock, tok)
+    assert member._spin_backoff == 64  # the longest back-off
+
+    found = _Socket(ready_after=0)
+    member._spin_skip = 0
+    member._recv_token(found, tok)
+    assert found.blocking_reads == 0 and member._spin_backoff == 1  # a poll that succeeds resets it
+
+
+def test_without_spin_the_member_sleeps_in_the_socket_at_once():
+    member, sock = _member(0.0), _Socket(ready_after=0)
+    member._recv_token(sock, bytearray(1))
+    assert (sock.polls, sock.blocking_reads) == (0, 1)
+
+
+def test_token_spin_follows_the_knob_and_the_cores(monkeypatch):
+    monkeypatch.setattr(cores, "usable_cores", lambda: 2)
+    assert token_spin(500.0, 2) == pytest.approx(TOKEN_SPIN_US * 1e-6)
+    assert token_spin(30.0, 2) == pytest.approx(30e-6)  # never longer than HOROVOD_SPIN_WAIT_US
+    assert token_spin(0.0, 2) == 0.0  # the knob turns spinning off
+    assert token_spin(500.0, 3) == 0.0  # more ranks on this host than cores
+
+
+def test_real_socket_pair():
+    """The non-blocking poll works on the channels' kind of socket (blocking, SO_RCVTIMEO set)."""
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        b.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", 0, 200_000))  # 0.2 s
+        member, tok = _member(0.05), bytearray(1)
+        a.sendall(b"\x01")
+        assert member._recv_token(b, tok) == 1 and member._spin_backoff == 1
+        with pytest.raises(BlockingIOError):  # nothing sent: the poll gives up, the bounded read times out
+            member._recv_token(b, tok)
+        assert member._spin_skip == 1
+    finally:
+        a.close()
+        b.close()

@@ -46,7 +46,8 @@ from horovod.transport.mesh import Mesh
 from horovod.transport.scaling import scale_inplace
 from horovod.transport.tcp import TcpCommunicator
 
-__all__ = ["ShmCommunicator", "token_spin", "TOKEN_SPIN_US", "REGION_BYTES", "MAX_PIECE_BYTES", "ONE_ROUND_BYTES", "SMALL_BYTES"]
+__all__ = ["ShmCommunicator", "token_spin", "TOKEN_SPIN_US", "REGION_BYTES", "MAX_PIECE_BYTES", "ONE_ROUND_BYTES",
+           "SMALL_BYTES"]
 
 logger = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from horovod.base.config import EnvVarError, RuntimeConfig, explicit_knobs
-from horovod.base.cores import may_spin
+from horovod.base.cores import Spin, may_spin
 from horovod.base.exceptions import SHUT_DOWN_MESSAGE, ShutdownError, WireError
 from horovod.runtime.autotune import ParameterManager, Params
 from horovod.runtime.coordinator import Coordinator, collective_failure
@@ -212,8 +212,7 @@ class Engine:
         self._spin_time = max(0.0, config.spin_wait_us) * 1e-6  # the most one spin lasts (see _spin)
         if not may_spin(topology.local_size):
             self._spin_time = 0.0  # more ranks here than cores: a spinning rank takes the core a peer needs
-        self._spin_skip = 0  # waits left before a driving caller spins again
-        self._spin_backoff = 1
+        self._spinner = Spin(0.0)  # its length is set before each spin (see _spin); it keeps the back-off
         self._typical_wait = _FIRST_TYPICAL_WAIT  # running mean of a synchronous op's waits (see _learn_wait)
         # Rounds of engine work run under ``_drive``, in the engine thread or in a caller waiting for a result
         # (_drive_until).  ``_ctrl`` polls the control channels; the engine thread sleeps on ``_idle`` (wake
@@ -539,19 +538,9 @@ class Engine:
         """
         if not self._spin_time:
             return None
-        if self._spin_skip:
-            self._spin_skip -= 1
-            return None
-        until = time.perf_counter() + min(self._spin_time, max(_MIN_SPIN, 2.0 * self._typical_wait))
-        while True:
-            events = poll(0)
-            if events:
-                self._spin_backoff = 1
-                return events
-            if time.perf_counter() >= until:
-                self._spin_skip = self._spin_backoff
-                self._spin_backoff = min(64, 2 * self._spin_backoff)
-                return None
+        spinner = self._spinner
+        spinner.seconds = min(self._spin_time, max(_MIN_SPIN, 2.0 * self._typical_wait))
+        return spinner.poll(lambda: poll(0) or None)
 
     def _learn_wait(self, waited: float) -> None:
         """Fold one wait of a synchronous op's caller (spin and sleep, until events came) into the running

@@ -32,13 +32,12 @@ import logging
 import mmap
 import os
 import socket
-import time
 from typing import Any
 
 import numpy as np
 
 from horovod.base.config import RuntimeConfig
-from horovod.base.cores import may_spin
+from horovod.base.cores import Spin
 from horovod.base.exceptions import WireError
 from horovod.transport.buffers import Pieces, copy_into, offsets, place
 from horovod.transport.communicator import Communicator, PeerFailure, ReduceOp, reduce_into
@@ -46,8 +45,7 @@ from horovod.transport.mesh import Mesh
 from horovod.transport.scaling import scale_inplace
 from horovod.transport.tcp import TcpCommunicator
 
-__all__ = ["ShmCommunicator", "token_spin", "TOKEN_SPIN_US", "REGION_BYTES", "MAX_PIECE_BYTES", "ONE_ROUND_BYTES",
-           "SMALL_BYTES"]
+__all__ = ["ShmCommunicator", "REGION_BYTES", "MAX_PIECE_BYTES", "ONE_ROUND_BYTES", "SMALL_BYTES"]
 
 logger = logging.getLogger(__name__)
 
@@ -64,17 +62,6 @@ _FD_FRAME = 0x51
 _TOKEN = b"\x01"
 _ALIGN = 64
 _STAGGER = 4096 + 3 * 64
-# The most a member polls for a token before it sleeps (bounded by HOROVOD_SPIN_WAIT_US; see _recv_token).
-TOKEN_SPIN_US = 100.0
-_MAX_SPIN_SKIP = 64
-
-
-def token_spin(spin_wait_us: float, local_ranks: int) -> float:
-    """Seconds a member polls for a token before it sleeps: :data:`TOKEN_SPIN_US`, at most
-    ``HOROVOD_SPIN_WAIT_US`` (0 turns it off), and none with more ranks on this host than cores."""
-    if not may_spin(local_ranks):
-        return 0.0
-    return max(0.0, min(TOKEN_SPIN_US, spin_wait_us)) * 1e-6
 
 
 class ShmCommunicator(Communicator):
@@ -109,9 +96,8 @@ class ShmCommunicator(Communicator):
         self._maps: list[mmap.mmap] = []
         self._parity = 0
         self._tok = bytearray(1)
-        self._spin = token_spin(config.spin_wait_us, mesh.hostnames.count(mesh.hostnames[mesh.rank]))
-        self._spin_skip = 0  # tokens left to wait for without polling first (after a poll found nothing)
-        self._spin_backoff = 1
+        # polls for a token before sleeping (see _recv_token)
+        self._spin = Spin.for_peers(config.spin_wait_us, mesh.hostnames.count(mesh.hostnames[mesh.rank]))
 
     # -- setup ---------------------------------------------------------------------------------------
     def _setup(self) -> list[np.ndarray]:
@@ -167,31 +153,21 @@ class ShmCommunicator(Communicator):
                 raise PeerFailure(ch.peer, f"sent {bytes(tok)!r} instead of a shared-memory signal")
 
     def _recv_token(self, sock: socket.socket, tok: bytearray) -> int:
-        """Receive one token byte into ``tok``: poll the socket for up to ``_spin`` before sleeping in it.
+        """Receive one token byte into ``tok``, polling the socket for a while before sleeping in it.
 
-        The members of a collective wait for each other's tokens a few tens of microseconds apart (a region's
-        copy); a sleeping member is woken 20-100 us after the token on a VM, and the sender pays for the
-        wake-up too, which made a 256 KiB allreduce 3x slower than its copies (0.44 against 0.14 ms, np=2).
-        A poll that found nothing (a peer descheduled or still computing) makes the next 1, 2, 4 ... 64
-        waits sleep at once, so a busy host does not lose a core to it.  The final wait is the socket's
-        own, bounded by its receive timeout as before."""
-        if self._spin:
-            if self._spin_skip:
-                self._spin_skip -= 1
-            else:
-                until = time.perf_counter() + self._spin
-                while True:
-                    try:
-                        k = sock.recv_into(tok, 1, socket.MSG_DONTWAIT)
-                    except BlockingIOError:
-                        if time.perf_counter() < until:
-                            continue
-                        self._spin_skip = self._spin_backoff
-                        self._spin_backoff = min(_MAX_SPIN_SKIP, 2 * self._spin_backoff)
-                        break
-                    self._spin_backoff = 1
-                    return k
-        return sock.recv_into(tok, 1)
+        The members of a collective reach each token a few tens of microseconds apart (a region's copy); a
+        sleeping member is woken 20-100 us after the token on a VM, and the sender pays for the wake-up too,
+        which made a 256 KiB allreduce 3x slower than its copies (0.44 against 0.14 ms, np=2).  The final
+        wait is the socket's own, bounded by its receive timeout as before."""
+
+        def attempt() -> int | None:
+            try:
+                return sock.recv_into(tok, 1, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                return None
+
+        k = self._spin.poll(attempt)
+        return sock.recv_into(tok, 1) if k is None else k
 
     def close(self) -> None:
         self._segs = None

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from horovod.base.config import RuntimeConfig
+from horovod.base.cores import Spin
 from horovod.base.exceptions import PreconditionError
 from horovod.runtime.engine import Engine, Topology
 from horovod.runtime.messages import Request, RequestType, dtype_code
@@ -21,8 +22,7 @@ F32 = dtype_code(np.float32)
 
 
 def _spinner(spin_us: float = 200.0, typical_us: float = 50.0):
-    return types.SimpleNamespace(_spin_time=spin_us * 1e-6, _spin_skip=0, _spin_backoff=1,
-                                 _typical_wait=typical_us * 1e-6)
+    return types.SimpleNamespace(_spin_time=spin_us * 1e-6, _spinner=Spin(0.0), _typical_wait=typical_us * 1e-6)
 
 
 def test_spin_returns_what_arrives_while_it_polls():
@@ -35,7 +35,7 @@ def test_spin_returns_what_arrives_while_it_polls():
         return [(5, 1)] if len(calls) == 3 else []
 
     assert Engine._spin(eng, poll) == [(5, 1)]
-    assert len(calls) == 3 and (eng._spin_skip, eng._spin_backoff) == (0, 1)
+    assert len(calls) == 3 and (eng._spinner._skip, eng._spinner._backoff) == (0, 1)
 
 
 def test_spin_is_bounded_and_backs_off_after_finding_nothing():
@@ -62,14 +62,14 @@ def test_spin_is_bounded_and_backs_off_after_finding_nothing():
         skipped.append(n)
     assert skipped == [1, 2, 4, 8, 16, 32, 64, 64]
     # a success resets the backoff
-    eng._spin_skip = 0
+    eng._spinner._skip = 0
     assert Engine._spin(eng, lambda t: [(1, 1)]) == [(1, 1)]
-    assert eng._spin_backoff == 1
+    assert eng._spinner._backoff == 1
 
 
 def _spin_length(eng) -> float:
     """How long one spin that finds nothing polls (seconds)."""
-    eng._spin_skip = 0
+    eng._spinner._skip = 0
     t0 = time.perf_counter()
     assert Engine._spin(eng, lambda timeout: []) is None
     return time.perf_counter() - t0

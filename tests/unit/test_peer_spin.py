@@ -1,4 +1,5 @@
-"""A member waiting for a shared-memory token polls briefly before it sleeps (ShmCommunicator._recv_token)."""
+"""A member waiting for a peer polls briefly before it sleeps (horovod.base.cores.Spin; the shared-memory
+communicator's token wait, ShmCommunicator._recv_token)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import struct
 import pytest
 
 import horovod.base.cores as cores
-from horovod.transport.shm import TOKEN_SPIN_US, ShmCommunicator, token_spin
+from horovod.base.cores import PEER_SPIN_US, Spin
+from horovod.transport.shm import ShmCommunicator
 
 
 class _Socket:
@@ -32,7 +34,7 @@ class _Socket:
 
 def _member(spin: float) -> ShmCommunicator:
     member = ShmCommunicator.__new__(ShmCommunicator)  # only the token wait's state
-    member._spin, member._spin_skip, member._spin_backoff = spin, 0, 1
+    member._spin = Spin(spin)
     return member
 
 
@@ -40,7 +42,7 @@ def test_a_token_that_comes_while_polling_is_taken_without_sleeping():
     member, sock, tok = _member(10.0), _Socket(ready_after=3), bytearray(1)
     assert member._recv_token(sock, tok) == 1 and tok[0] == 1
     assert (sock.polls, sock.blocking_reads) == (4, 0)
-    assert (member._spin_skip, member._spin_backoff) == (0, 1)
+    assert (member._spin._skip, member._spin._backoff) == (0, 1)
 
 
 def test_a_poll_that_finds_nothing_sleeps_and_backs_off():
@@ -53,15 +55,14 @@ def test_a_poll_that_finds_nothing_sleeps_and_backs_off():
     assert sock.blocking_reads == 8  # every wait ended in the socket's own (bounded) read
     # poll, then sleep at once for 1, 2, 4 waits before polling again
     assert skipped == [False, True, False, True, True, False, True, True]
-    member._spin_skip = 0
-    member._spin_backoff = 64
+    member._spin._skip, member._spin._backoff = 0, 64
     member._recv_token(sock, tok)
-    assert member._spin_backoff == 64  # the longest back-off
+    assert member._spin._backoff == 64  # the longest back-off
 
     found = _Socket(ready_after=0)
-    member._spin_skip = 0
+    member._spin._skip = 0
     member._recv_token(found, tok)
-    assert found.blocking_reads == 0 and member._spin_backoff == 1  # a poll that succeeds resets it
+    assert found.blocking_reads == 0 and member._spin._backoff == 1  # a poll that succeeds resets it
 
 
 def test_without_spin_the_member_sleeps_in_the_socket_at_once():
@@ -70,12 +71,12 @@ def test_without_spin_the_member_sleeps_in_the_socket_at_once():
     assert (sock.polls, sock.blocking_reads) == (0, 1)
 
 
-def test_token_spin_follows_the_knob_and_the_cores(monkeypatch):
+def test_peer_spin_follows_the_knob_and_the_cores(monkeypatch):
     monkeypatch.setattr(cores, "usable_cores", lambda: 2)
-    assert token_spin(500.0, 2) == pytest.approx(TOKEN_SPIN_US * 1e-6)
-    assert token_spin(30.0, 2) == pytest.approx(30e-6)  # never longer than HOROVOD_SPIN_WAIT_US
-    assert token_spin(0.0, 2) == 0.0  # the knob turns spinning off
-    assert token_spin(500.0, 3) == 0.0  # more ranks on this host than cores
+    assert Spin.for_peers(500.0, 2).seconds == pytest.approx(PEER_SPIN_US * 1e-6)
+    assert Spin.for_peers(30.0, 2).seconds == pytest.approx(30e-6)  # never longer than HOROVOD_SPIN_WAIT_US
+    assert Spin.for_peers(0.0, 2).seconds == 0.0  # the knob turns spinning off
+    assert Spin.for_peers(500.0, 3).seconds == 0.0  # more ranks on this host than cores
 
 
 def test_real_socket_pair():
@@ -85,10 +86,10 @@ def test_real_socket_pair():
         b.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", 0, 200_000))  # 0.2 s
         member, tok = _member(0.05), bytearray(1)
         a.sendall(b"\x01")
-        assert member._recv_token(b, tok) == 1 and member._spin_backoff == 1
+        assert member._recv_token(b, tok) == 1 and member._spin._backoff == 1
         with pytest.raises(BlockingIOError):  # nothing sent: the poll gives up, the bounded read times out
             member._recv_token(b, tok)
-        assert member._spin_skip == 1
+        assert member._spin._skip == 1
     finally:
         a.close()
         b.close()

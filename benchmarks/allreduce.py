@@ -6,7 +6,8 @@
 The driver launches each peer in turn in this same invocation (ours under horovodrun, Open MPI under mpirun,
 Gloo with torch.distributed env:// rendezvous), each worker writes its timings as JSON, and the driver prints
 one table with ratios (peer time / our time: > 1 means we are faster).  All three reduce float32 in place
-(Sum).  Absolute times on a shared 2-core machine drift; the ratios measured in one run are what matter.
+(Sum); the last two rows are a synchronous 16 KiB allgather and broadcast (root 0).  Absolute times on a
+shared 2-core machine drift; the ratios measured in one run are what matter.
 """
 
 from __future__ import annotations
@@ -49,10 +50,16 @@ class _Horovod:
 
         hvd.init()
         self.hvd = hvd
-        self.rank = hvd.rank()
+        self.rank, self.size = hvd.rank(), hvd.size()
 
     def allreduce(self, buf, name: str) -> None:
         self.hvd.allreduce_(buf, op=self.hvd.Sum, name=name)
+
+    def allgather(self, buf, out) -> None:
+        self.hvd.allgather(buf, name="gather")
+
+    def broadcast(self, buf) -> None:
+        self.hvd.broadcast(buf, 0, name="bcast")
 
     def many(self, bufs) -> None:
         hvd = self.hvd
@@ -75,10 +82,16 @@ class _Mpi:
 
         self.MPI = MPI
         self.comm = MPI.COMM_WORLD
-        self.rank = self.comm.Get_rank()
+        self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
 
     def allreduce(self, buf, name: str) -> None:
         self.comm.Allreduce(self.MPI.IN_PLACE, buf, op=self.MPI.SUM)
+
+    def allgather(self, buf, out) -> None:
+        self.comm.Allgather(buf, out)
+
+    def broadcast(self, buf) -> None:
+        self.comm.Bcast(buf, root=0)
 
     def many(self, bufs) -> None:
         comm, in_place, op = self.comm, self.MPI.IN_PLACE, self.MPI.SUM
@@ -103,10 +116,16 @@ class _Gloo:
         dist.init_process_group("gloo", init_method="env://")
         self.torch = torch
         self.dist = dist
-        self.rank = dist.get_rank()
+        self.rank, self.size = dist.get_rank(), dist.get_world_size()
 
     def allreduce(self, buf, name: str) -> None:
         self.dist.all_reduce(self.torch.from_numpy(buf))
+
+    def allgather(self, buf, out) -> None:
+        self.dist.all_gather_into_tensor(self.torch.from_numpy(out), self.torch.from_numpy(buf))
+
+    def broadcast(self, buf) -> None:
+        self.dist.broadcast(self.torch.from_numpy(buf), 0)
 
     def many(self, bufs) -> None:
         works = [self.dist.all_reduce(self.torch.from_numpy(b), async_op=True) for b in bufs]
@@ -147,6 +166,12 @@ def worker(kind: str, out: str, max_mib: int) -> None:
         impl.allreduce(lone, "lone")
     impl.barrier()
     results["lone"] = _time(lambda: impl.allreduce(lone, "lone"), 2000)
+    gathered = np.zeros(lone.size * impl.size, np.float32)
+    for kind, op in (("gather", lambda: impl.allgather(lone, gathered)), ("bcast", lambda: impl.broadcast(lone))):
+        for _ in range(100):
+            op()
+        impl.barrier()
+        results[kind] = _time(op, 1000)
     bufs = [np.zeros(LONE_BYTES // 4, np.float32) for _ in range(MANY)]
     for _ in range(10):
         impl.many(bufs)
@@ -234,6 +259,8 @@ def driver(max_mib: int, np_: int, peers: list[str], timeout: float) -> dict:
         row(_fmt_size(nbytes), nbytes)
     row("lone 16KiB", "lone")
     row("100x16KiB", "many")
+    row("gather 16KiB", "gather")
+    row("bcast 16KiB", "bcast")
     print(json.dumps(results))
     return results
 

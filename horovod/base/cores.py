@@ -1,7 +1,7 @@
 """The CPUs this process may use, and the bounded polling of a thread that waits for a peer.
 
-Waiting threads (a synchronous op's caller in the engine, a member of a collective waiting for a peer's
-token or bytes) poll for a short while before they sleep: on a VM a sleeping thread's wake-up costs 20-100 us,
+Waiting threads (a synchronous op's caller in the engine, a member of a shared-memory collective waiting
+for a peer's token) poll for a short while before they sleep: on a VM a sleeping thread's wake-up costs 20-100 us,
 and the peer that wakes it pays for it too.  That only pays while every rank on the host has a core of its
 own; on an oversubscribed host a polling rank takes the core the peer it waits for needs.
 """

@@ -93,3 +93,49 @@ def test_real_socket_pair():
     finally:
         a.close()
         b.close()
+
+
+def _poll_until_failure(ctx) -> tuple[str, float, int | None]:
+    """Every member polls for tokens (forced on, whatever the host's cores) in a loop of 8 MiB allreduces."""
+    import time
+
+    import numpy as np
+
+    from horovod.transport.communicator import PeerFailure, ReduceOp
+
+    comm = ShmCommunicator(ctx.mesh, list(range(ctx.size)), ctx.config)
+    comm._spin = Spin(200e-6)
+    x = np.ones(2 * 1024 * 1024, np.float32)
+    ctx.store.put(f"started.{ctx.rank}", b"1")
+    if ctx.rank == ctx.args:
+        time.sleep(3600)  # the victim: idles until killed
+    try:
+        while True:
+            comm.allreduce(x, x, ReduceOp.SUM)
+            x[:] = 1
+    except PeerFailure as e:
+        return str(e), time.time(), e.peer
+
+
+def test_a_killed_member_is_detected_promptly_while_the_others_poll():
+    import os
+    import signal
+    import time
+
+    from transport_harness import run_ranks
+
+    killed_at = []
+
+    def kill_victim(procs, store):
+        for r in range(3):
+            store.get(f"started.{r}", timeout=30)
+        time.sleep(0.3)
+        killed_at.append(time.time())
+        os.kill(procs[2].pid, signal.SIGKILL)
+
+    res = run_ranks(3, _poll_until_failure, 2, op_timeout=30.0, expect_fail={2}, during=kill_victim, timeout=60)
+    for r in (0, 1):
+        status, (msg, when, peer), _ = res[r]
+        assert status == "ok"
+        assert when - killed_at[0] < 5.0, f"rank {r} noticed after {when - killed_at[0]:.1f} s: {msg}"
+        assert peer in (0, 1, 2) and "rank" in msg

@@ -76,6 +76,12 @@ def _make(ctx: Ctx, backend: str, ranks: list[int]):
         return ShmCommunicator(ctx.mesh, ranks, ctx.config, piece_bytes=256, small_bytes=0)
     if backend == "shm-default":
         return ShmCommunicator(ctx.mesh, ranks, ctx.config)
+    if backend == "shm-poll":  # members poll for tokens whatever the host's cores (off by default at np > cores)
+        from horovod.base.cores import Spin
+
+        comm = ShmCommunicator(ctx.mesh, ranks, ctx.config, piece_bytes=256, small_bytes=0)
+        comm._spin = Spin(200e-6)
+        return comm
     if backend == "tcp":
         return TcpCommunicator(ctx.mesh, ranks, ctx.config, small_bytes=64, piece_bytes=40)
     if backend == "hierarchical":
@@ -182,6 +188,11 @@ def _run(size: int, backend: str, ranks: list[int] | None = None, hosts: list[st
 @pytest.mark.parametrize("size", [2, 3, 4])
 def test_shm(size):
     _run(size, "shm")
+
+
+@pytest.mark.parametrize("size", [3, 4])
+def test_shm_members_that_poll_for_tokens(size):
+    _run(size, "shm-poll")
 
 
 @pytest.mark.parametrize("size", [2, 3, 4])

@@ -256,10 +256,15 @@ def _loop_until_failure(ctx: Ctx) -> tuple[str, float, int | None]:
     from horovod.transport import make_communicator
     from horovod.transport.communicator import PeerFailure
 
+    victim, poll = ctx.args
     comm = make_communicator(ctx.mesh, list(range(ctx.size)), ctx.config)
+    if poll:  # members poll for tokens whatever the host's cores (off by default at np > cores)
+        from horovod.base.cores import Spin
+
+        comm._spin = Spin(200e-6)
     x = np.ones(2 * 1024 * 1024, np.float32)
     ctx.store.put(f"started.{ctx.rank}", b"1")
-    if ctx.rank == ctx.args:
+    if ctx.rank == victim:
         time.sleep(3600)  # the victim: idles until killed
     try:
         while True:
@@ -273,8 +278,8 @@ def _shm_files() -> set[str]:
     return set(glob.glob("/dev/shm/*"))
 
 
-@pytest.mark.parametrize("disable_shm", [False, True])
-def test_killed_peer_is_detected_promptly(disable_shm):
+@pytest.mark.parametrize("disable_shm,poll", [(False, False), (True, False), (False, True)])
+def test_killed_peer_is_detected_promptly(disable_shm, poll):
     before = _shm_files()
     killed_at = []
 
@@ -285,7 +290,7 @@ def test_killed_peer_is_detected_promptly(disable_shm):
         killed_at.append(time.time())
         os.kill(procs[2].pid, signal.SIGKILL)
 
-    res = run_ranks(3, _loop_until_failure, 2, disable_shm=disable_shm, op_timeout=30.0, expect_fail={2},
+    res = run_ranks(3, _loop_until_failure, (2, poll), disable_shm=disable_shm, op_timeout=30.0, expect_fail={2},
                     during=kill_victim, timeout=60)
     for r in (0, 1):
         status, (msg, when, peer), _ = res[r]

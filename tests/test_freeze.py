@@ -71,7 +71,7 @@ def stop_in_tcp_transfer():
     import horovod.transport.tcp as tcp
     orig = tcp.exchange
 
-    def exchange(sends, recvs, timeout):
+    def exchange(sends, recvs, timeout, *spin):
         for t in recvs:
             if t.view.nbytes >= 1 << 20:
                 inner, half = t.on_progress, t.view.nbytes // 2
@@ -85,7 +85,7 @@ def stop_in_tcp_transfer():
 
                 t.on_progress = progress
                 break
-        return orig(sends, recvs, timeout)
+        return orig(sends, recvs, timeout, *spin)
 
     tcp.exchange = exchange
 

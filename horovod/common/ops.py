@@ -135,8 +135,14 @@ def grouped_allreduce(tensors: Sequence, outputs: Sequence | None = None, *, nam
     return _enqueue(items)
 
 
-def allgather(tensor, *, name: str | None = None, process_set: ProcessSet = global_process_set) -> Handle:
-    return grouped_allgather([tensor], name=name, process_set=process_set, _grouped=False)[0]
+def allgather(tensor, *, name: str | None = None, process_set: ProcessSet = global_process_set,
+              wake: bool = True) -> Handle:
+    """Enqueue an allgather; ``wake=False`` when the caller waits for it right away (see :func:`allreduce`)."""
+    ps_id, _ = _set_id(process_set, RequestType.ALLGATHER)
+    arr = _array(tensor)
+    req = Request(RequestType.ALLGATHER, ps_id, name or auto_name("allgather", ps_id), dtype_code(arr.dtype),
+                  arr.shape)
+    return basics.engine().enqueue_one(req, arr, None, wake)
 
 
 def grouped_allgather(tensors: Sequence, *, name: str | None = None,
@@ -152,14 +158,15 @@ def grouped_allgather(tensors: Sequence, *, name: str | None = None,
 
 
 def broadcast(tensor, root_rank: int, output: np.ndarray | None = None, *, name: str | None = None,
-              process_set: ProcessSet = global_process_set) -> Handle:
+              process_set: ProcessSet = global_process_set, wake: bool = True) -> Handle:
+    """Enqueue a broadcast; ``wake=False`` when the caller waits for it right away (see :func:`allreduce`)."""
     ps_id, ranks = _set_id(process_set, RequestType.BROADCAST)
     if root_rank not in ranks:
         raise ValueError(f"broadcast received invalid root rank {root_rank} for provided process set")
     arr = _array(tensor)
     req = Request(RequestType.BROADCAST, ps_id, name or auto_name("broadcast", ps_id), dtype_code(arr.dtype),
                   arr.shape, int(root_rank))
-    return _enqueue([(req, arr, output)])[0]
+    return basics.engine().enqueue_one(req, arr, output, wake)
 
 
 def alltoall(tensor, splits=None, *, name: str | None = None,

@@ -157,7 +157,7 @@ def allgather_async(tensor: np.ndarray, name: str | None = None,
 def allgather(tensor: np.ndarray, name: str | None = None,
               process_set: ProcessSet = global_process_set) -> np.ndarray:
     """Concatenate every member's ``tensor`` along the first dimension (sizes may differ per rank)."""
-    return _ops.allgather(tensor, name=name, process_set=process_set).wait()
+    return _ops.allgather(tensor, name=name, process_set=process_set, wake=False).wait()
 
 
 def grouped_allgather_async(tensors: Sequence[np.ndarray], name: str | None = None,
@@ -181,7 +181,7 @@ def broadcast_async(tensor: np.ndarray, root_rank: int, name: str | None = None,
 def broadcast(tensor: np.ndarray, root_rank: int, name: str | None = None,
               process_set: ProcessSet = global_process_set) -> np.ndarray:
     """Return ``root_rank``'s ``tensor`` on every member (``root_rank`` is a global rank)."""
-    return _ops.broadcast(tensor, root_rank, name=name, process_set=process_set).wait()
+    return _ops.broadcast(tensor, root_rank, name=name, process_set=process_set, wake=False).wait()
 
 
 def broadcast_async_(tensor: np.ndarray, root_rank: int, name: str | None = None,

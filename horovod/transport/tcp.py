@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from horovod.base.config import RuntimeConfig
+from horovod.base.cores import Spin
 from horovod.transport.buffers import copy_into, offsets, place, split_counts
 from horovod.transport.communicator import Communicator, ReduceOp, reduce_into
 from horovod.transport.mesh import Mesh
@@ -64,6 +65,8 @@ class TcpCommunicator(Communicator):
                 self.peers[i] = ch
         self._scratch: list[np.ndarray] = [np.empty(0, np.uint8), np.empty(0, np.uint8)]
         self._token = np.zeros(1, np.uint8)
+        # the last receive of an exchange polls for the peer's bytes before sleeping (see wire.exchange)
+        self._spin = Spin.for_peers(config.spin_wait_us, mesh.hostnames.count(mesh.hostnames[mesh.rank]))
 
     # -- helpers -------------------------------------------------------------------------------------
     def _buf(self, slot: int, count: int, dtype: np.dtype) -> np.ndarray:
@@ -74,7 +77,7 @@ class TcpCommunicator(Communicator):
         return self._scratch[slot][:nbytes].view(dtype)
 
     def _xchg(self, sends: list[Transfer], recvs: list[Transfer]) -> None:
-        exchange(sends, recvs, self.timeout)
+        exchange(sends, recvs, self.timeout, self._spin)
 
     def _piece_elems(self, dtype: np.dtype) -> int:
         return max(1, self.piece_bytes // dtype.itemsize)
@@ -170,7 +173,7 @@ class TcpCommunicator(Communicator):
             if me == root:
                 self._xchg([Transfer(ch, buf) for ch in self.peers.values()], [])
             else:
-                self.peers[root].recv_buffer_into(buf)
+                self._xchg([], [Transfer(self.peers[root], buf)])
             return
         # Pipelined chain root -> root+1 -> ...: each member forwards what it has received so far.
         pos = (me - root) % size

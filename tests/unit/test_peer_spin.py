@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import socket
 import struct
+import threading
 
 import pytest
 
@@ -94,3 +95,53 @@ def test_real_socket_pair():
         a.close()
         b.close()
 
+
+def _channel_pair():
+    from horovod.transport.wire import Channel
+
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    return a, Channel(b, peer=1, timeout=2.0)
+
+
+def test_the_last_receive_of_an_exchange_polls_before_it_sleeps(monkeypatch):
+    import numpy as np
+
+    from horovod.transport.wire import Channel, Transfer, exchange
+
+    a, ch = _channel_pair()
+    try:
+        slept = []
+        original = Channel._recv_exact
+        monkeypatch.setattr(Channel, "_recv_exact", lambda *args: slept.append(1) or original(*args))
+        data = np.arange(1000, dtype=np.float32)
+        a.sendall(data.tobytes())  # already there: the poll takes all of it
+        got = np.empty_like(data)
+        exchange([], [Transfer(ch, got)], 2.0, Spin(0.05))
+        np.testing.assert_array_equal(got, data)
+        assert not slept
+        a.sendall(data[:500].tobytes())  # half there: the poll takes it, the bounded read the rest
+        rest = threading.Timer(0.1, lambda: a.sendall(data[500:].tobytes()))
+        rest.start()
+        got[:] = 0
+        exchange([], [Transfer(ch, got)], 2.0, Spin(0.05))
+        rest.join()
+        np.testing.assert_array_equal(got, data)
+        assert slept == [1]
+    finally:
+        a.close()
+        ch.sock.close()
+
+
+def test_a_peer_that_closes_while_polled_is_named():
+    import numpy as np
+
+    from horovod.transport.communicator import PeerFailure
+    from horovod.transport.wire import Transfer, exchange
+
+    a, ch = _channel_pair()
+    try:
+        a.close()
+        with pytest.raises(PeerFailure, match="rank 1"):
+            exchange([], [Transfer(ch, np.empty(10, np.uint8))], 2.0, Spin(0.05))
+    finally:
+        ch.sock.close()

@@ -447,3 +447,28 @@ hvd.shutdown()
     lines = proc.stdout.splitlines()
     assert lines[:-1] == [NOT_INITIALIZED] * 13
     assert lines[-1] == "False"
+
+
+def test_synchronous_collectives_run_their_round_in_the_calling_thread(monkeypatch):
+    """hvd.allreduce/allgather/broadcast wait at once: the caller runs the engine's round (no thread hand-over,
+    and it may poll for the answer) instead of waking the engine thread."""
+    engine = basics.engine()
+    threads = []
+    original = engine._round
+
+    def round_(*a, **k):
+        threads.append(threading.current_thread().name)
+        return original(*a, **k)
+
+    pokes = []
+    poke = engine.queue._poke
+    monkeypatch.setattr(engine, "_round", round_)
+    monkeypatch.setattr(engine.queue, "_poke", lambda: pokes.append(1) or poke())
+    x = np.arange(6, dtype=np.float32).reshape(3, 2)
+    for i in range(10):
+        threads.clear()
+        np.testing.assert_array_equal(hvd.allgather(x, name=f"sync.g.{i}"), x)
+        np.testing.assert_array_equal(hvd.broadcast(x, 0, name=f"sync.b.{i}"), x)
+        np.testing.assert_array_equal(hvd.allreduce(x, name=f"sync.r.{i}", op=hvd.Sum), x)
+        assert threads and set(threads) == {threading.current_thread().name}
+    assert not pokes  # the engine thread was never woken

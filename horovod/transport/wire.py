@@ -615,7 +615,10 @@ def exchange(sends: Sequence[Transfer], recvs: Sequence[Transfer], timeout: floa
         # SO_RCVTIMEO (the channel's timeout) bounds it.
         t = pending_r[0]
         if spin is not None and spin.seconds:
-            got = spin.poll(lambda: t.channel.try_recv_into(t.view[t.done:], t.view.nbytes - t.done))
+            try:
+                got = spin.poll(lambda: t.channel.try_recv_into(t.view[t.done:], t.view.nbytes - t.done))
+            except OSError as e:
+                raise t.channel._fail(e, "receiving") from e
             if got == 0:
                 raise t.channel._fail(None, "receiving")
             t.done += got or 0

@@ -145,3 +145,19 @@ def test_a_peer_that_closes_while_polled_is_named():
             exchange([], [Transfer(ch, np.empty(10, np.uint8))], 2.0, Spin(0.05))
     finally:
         ch.sock.close()
+
+
+def test_a_peer_that_resets_while_polled_is_named():
+    import numpy as np
+
+    from horovod.transport.communicator import PeerFailure
+    from horovod.transport.wire import Transfer, exchange
+
+    a, ch = _channel_pair()
+    try:
+        ch.sock.sendall(b"unread")  # closing with unread bytes resets the connection (ECONNRESET here)
+        a.close()
+        with pytest.raises(PeerFailure, match="rank 1"):
+            exchange([], [Transfer(ch, np.empty(10, np.uint8))], 2.0, Spin(0.05))
+    finally:
+        ch.sock.close()

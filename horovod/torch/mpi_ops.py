@@ -121,11 +121,12 @@ class _Pending:
 
 
 def _submit(kind: str, tensors: Sequence[torch.Tensor], *, inplace: bool, grouped: bool,
-            process_set: ProcessSet, **kwargs: Any) -> _Pending:
+            process_set: ProcessSet, wake: bool = True, **kwargs: Any) -> _Pending:
     """The one body behind every collective: check, stage, enqueue, and describe how to finish.
 
     ``wait()`` of the result returns a list with one entry per tensor (a tensor; ``(output,
-    received_splits)`` for alltoall)."""
+    received_splits)`` for alltoall).  ``wake=False`` (a lone allgather or broadcast waited for right away):
+    the waiting thread runs the engine's round itself (see ``horovod.common.ops.allreduce``)."""
     tensors = list(tensors)
     dtypes = _REDUCE_DTYPES if kind in ("allreduce", "reducescatter") else _MOVE_DTYPES
     for t in tensors:
@@ -142,13 +143,15 @@ def _submit(kind: str, tensors: Sequence[torch.Tensor], *, inplace: bool, groupe
     outputs = arrays if inplace else None
     if kind == "allreduce":
         handles = _ops.grouped_allreduce(arrays, outputs, process_set=process_set, _grouped=grouped, **kwargs)
+    elif kind == "allgather" and not grouped and len(arrays) == 1:
+        handles = [_ops.allgather(arrays[0], process_set=process_set, wake=wake, **kwargs)]
     elif kind == "allgather":
         handles = _ops.grouped_allgather(arrays, process_set=process_set, _grouped=grouped, **kwargs)
     elif kind == "reducescatter":
         handles = _ops.grouped_reducescatter(arrays, process_set=process_set, _grouped=grouped, **kwargs)
     elif kind == "broadcast":
         handles = [_ops.broadcast(arrays[0], kwargs.pop("root_rank"), outputs[0] if inplace else None,
-                                  process_set=process_set, **kwargs)]
+                                  process_set=process_set, wake=wake, **kwargs)]
     elif kind == "alltoall":
         handles = [_ops.alltoall(arrays[0], kwargs.pop("splits"), process_set=process_set, **kwargs)]
     else:  # pragma: no cover - internal misuse
@@ -341,8 +344,8 @@ def grouped_allreduce(tensors: Sequence[torch.Tensor], average: bool | None = No
 
 
 # ---------------------------------------------------------------------- allgather
-def _allgather_pending(tensors, grouped, name, process_set) -> _Pending:
-    return _submit("allgather", tensors, inplace=False, grouped=grouped, process_set=process_set,
+def _allgather_pending(tensors, grouped, name, process_set, wake: bool = True) -> _Pending:
+    return _submit("allgather", tensors, inplace=False, grouped=grouped, process_set=process_set, wake=wake,
                    name=_name("grouped_allgather" if grouped else "allgather", name))
 
 
@@ -372,9 +375,9 @@ def grouped_allgather(tensors: Sequence[torch.Tensor], name: str | None = None,
 
 
 # ---------------------------------------------------------------------- broadcast
-def _broadcast_pending(tensor, root_rank, inplace, name, process_set) -> _Pending:
+def _broadcast_pending(tensor, root_rank, inplace, name, process_set, wake: bool = True) -> _Pending:
     return _single(_submit("broadcast", [tensor], inplace=inplace, grouped=False, process_set=process_set,
-                           root_rank=root_rank, name=_name("broadcast", name)))
+                           wake=wake, root_rank=root_rank, name=_name("broadcast", name)))
 
 
 def broadcast_async(tensor: torch.Tensor, root_rank: int, name: str | None = None,
@@ -398,7 +401,7 @@ def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None,
 def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None,
                process_set: ProcessSet = global_process_set) -> torch.Tensor:
     """In-place broadcast (not differentiable); returns ``tensor``."""
-    return synchronize(broadcast_async_(tensor, root_rank, name, process_set))
+    return _broadcast_pending(tensor, root_rank, True, name, process_set, wake=False).wait()
 
 
 # ---------------------------------------------------------------------- alltoall
@@ -554,7 +557,7 @@ class _HorovodAllgather(torch.autograd.Function):
     def forward(ctx, tensor, name, process_set):
         ctx.rows = tensor.shape[0] if tensor.dim() else 1
         ctx.process_set = process_set
-        return _wait(_allgather_pending([tensor], False, name, process_set))[0]
+        return _wait(_allgather_pending([tensor], False, name, process_set, wake=False))[0]
 
     @staticmethod
     def backward(ctx, grad_output):
@@ -578,7 +581,7 @@ class _HorovodBroadcast(torch.autograd.Function):
     def forward(ctx, tensor, root_rank, name, process_set):
         ctx.root_rank = root_rank
         ctx.process_set = process_set
-        return _wait(_broadcast_pending(tensor, root_rank, False, name, process_set))
+        return _wait(_broadcast_pending(tensor, root_rank, False, name, process_set, wake=False))
 
     @staticmethod
     def backward(ctx, grad_output):

@@ -153,3 +153,30 @@ def test_np1_bit_identical_with_and_without_horovod():
 
 def test_elastic_is_importable():
     assert all(hasattr(hvd.elastic, name) for name in ("run", "TorchState", "ElasticSampler"))
+
+
+def test_synchronous_allgather_and_broadcast_never_wake_the_engine_thread(monkeypatch):
+    """hvd.allgather/broadcast/broadcast_ wait at once: the caller runs the engine's round (and may poll for
+    the answer) instead of waking the engine thread, as hvd.allreduce does."""
+    import threading
+
+    from horovod.common import basics
+
+    engine = basics.engine()
+    pokes, threads = [], []
+    poke, original = engine.queue._poke, engine._round
+    monkeypatch.setattr(engine.queue, "_poke", lambda: pokes.append(1) or poke())
+    monkeypatch.setattr(engine, "_round", lambda *a, **k: threads.append(threading.current_thread().name) or
+                        original(*a, **k))
+    x = torch.arange(6, dtype=torch.float32).reshape(3, 2)
+    for i in range(10):
+        assert torch.equal(hvd.allgather(x, name=f"sync.g.{i}"), x)
+        assert torch.equal(hvd.broadcast(x, 0, name=f"sync.b.{i}"), x)
+        y = x.clone()
+        assert hvd.broadcast_(y, 0, name=f"sync.b_.{i}") is y and torch.equal(y, x)
+    assert threads and set(threads) == {threading.current_thread().name}
+    assert not pokes
+    # the gradients still flow (the differentiable forms)
+    z = x.clone().requires_grad_()
+    hvd.allgather(z, name="sync.grad").sum().backward()
+    assert torch.equal(z.grad, torch.ones_like(x))

@@ -58,6 +58,10 @@ _SMALL = 64 * 1024
 # inline tensors, in one syscall (a larger payload is received straight into its own buffer).
 READ_CHUNK = 256 * 1024
 _TIMEVAL = struct.Struct("ll")
+# A blocking receive of a plain channel sleeps in slices of its deadline (see Channel._recv_exact): a peer that
+# stopped is reported at most a slice after the deadline, and a peer that is merely slow costs a wake-up a slice.
+_SLICES = 8
+_MIN_SLICE = 0.05
 _WAITALL = socket.MSG_WAITALL
 _DONTWAIT = socket.MSG_DONTWAIT
 # Plaintext bytes handed to one SSL_write: bounds what a non-blocking send must retry unchanged, and lets
@@ -108,7 +112,7 @@ class Channel:
         WireError: (``recv_msg``) the bytes are not a frame of our protocol.
     """
 
-    __slots__ = ("sock", "peer", "_timeout", "_hdr", "_hdr_view", "is_unix")
+    __slots__ = ("sock", "peer", "_timeout", "_slice", "_hdr", "_hdr_view", "is_unix")
 
     def __init__(self, sock: socket.socket, peer: int, timeout: float | None = None) -> None:
         self.sock = sock
@@ -128,11 +132,13 @@ class Channel:
         return self._timeout
 
     def settimeout(self, seconds: float | None) -> None:
-        """Bound every blocking send/recv to ``seconds`` (None: no bound) in the kernel, not in Python."""
+        """Bound every blocking send/recv to ``seconds`` (None: no bound) in the kernel, not in Python; a
+        receive to ``seconds`` of the peer's silence."""
         self._timeout = seconds
-        tv = _timeval(seconds)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+        # A blocking receive sleeps a slice of the deadline at a time and counts the silence (see _recv_exact).
+        self._slice = None if seconds is None or seconds <= 0 else min(seconds, max(_MIN_SLICE, seconds / _SLICES))
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(self._slice))
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(seconds))
 
     def fileno(self) -> int:
         return self.sock.fileno()
@@ -183,6 +189,8 @@ class Channel:
     def _recv_payload(self, n: int) -> bytes:
         try:
             data = self.sock.recv(n, _WAITALL)
+        except (BlockingIOError, TimeoutError):
+            data = b""  # a slice of the deadline passed: _recv_exact waits for the rest
         except OSError as e:
             raise self._fail(e, "receiving a frame payload") from e
         if len(data) == n:
@@ -202,19 +210,31 @@ class Channel:
         except OSError as e:
             raise self._fail(e, f"sending {view.nbytes} bytes") from e
 
-    def recv_buffer_into(self, buf: Any) -> None:
-        """Fill ``buf`` with exactly ``buf.nbytes`` raw bytes from the peer."""
+    def recv_buffer_into(self, buf: Any, what: str | None = None) -> None:
+        """Fill ``buf`` with exactly ``buf.nbytes`` raw bytes from the peer (``what``: the wait, for errors)."""
         view = byte_view(buf)
         if view.nbytes:
-            self._recv_exact(view, f"receiving {view.nbytes} bytes")
+            self._recv_exact(view, what or f"receiving {view.nbytes} bytes")
 
     def _recv_exact(self, view: memoryview, what: str, in_frame: bool = False) -> None:
-        """Fill ``view``; EOF after part of a frame (``in_frame`` or a partial read) is a TruncatedFrame."""
+        """Fill ``view``; EOF after part of a frame (``in_frame`` or a partial read) is a TruncatedFrame.
+
+        The deadline counts the peer's silence, not the whole receive.  A ``MSG_WAITALL`` call returns what
+        arrived only once its deadline ran out, and the next call waits a whole deadline again: a peer that
+        stopped after part of a buffer was reported after up to twice the deadline -- late enough for the
+        ranks waiting on *this* one (a ring) to time out first and blame a live rank.  So the kernel's
+        deadline is a slice of the channel's (``_slice``), and the receive fails once slices without any
+        data add up to it; a slice that ends with part of the data says the peer spoke less than a slice ago.
+        """
         got, n = 0, view.nbytes
         recv_into = self._recv_into
+        silent = 0.0
         while got < n:
             try:
                 k = recv_into(view[got:] if got else view, n - got)
+            except (BlockingIOError, TimeoutError) as e:
+                silent = self._still_waiting(e, silent, what)
+                continue
             except OSError as e:
                 raise self._fail(e, what) from e
             if k == 0:
@@ -223,6 +243,15 @@ class Channel:
                                          closed=True)
                 raise self._fail(None, what)
             got += k
+            silent = 0.0
+
+    def _still_waiting(self, e: OSError, silent: float, what: str) -> float:
+        """A blocking receive's slice ended without data: the silence so far, or the timeout's PeerFailure."""
+        if self._slice is not None:
+            silent += self._slice
+            if silent < self._timeout:  # type: ignore[operator]
+                return silent
+        raise self._fail(e, what) from e
 
     # -- socket primitives (TlsChannel overrides these) ----------------------------------------------
     def _sendall(self, data: bytes | bytearray | memoryview) -> None:
@@ -268,10 +297,15 @@ class Channel:
 
     def recv_fd(self, kind: int) -> tuple[int, bytes]:
         """Receive a frame of ``kind`` sent by :meth:`send_fd`: ``(fd, payload)``."""
-        try:
-            data, fds, _flags, _addr = socket.recv_fds(self.sock, HEADER.size, 1)
-        except OSError as e:
-            raise self._fail(e, "receiving a file descriptor") from e
+        silent = 0.0
+        while True:
+            try:
+                data, fds, _flags, _addr = socket.recv_fds(self.sock, HEADER.size, 1)
+                break
+            except (BlockingIOError, TimeoutError) as e:
+                silent = self._still_waiting(e, silent, "receiving a file descriptor")
+            except OSError as e:
+                raise self._fail(e, "receiving a file descriptor") from e
         if not data:
             raise self._fail(None, "receiving a file descriptor")
         if len(data) < HEADER.size:
@@ -312,6 +346,7 @@ class TlsChannel(Channel):
     def settimeout(self, seconds: float | None) -> None:
         """Bound every wait without progress to ``seconds`` (None: no bound), checked in ``poll``."""
         self._timeout = seconds
+        self._slice = None  # each wait in poll already measures silence (it restarts with every record)
         self.sock.setblocking(False)
 
     def __repr__(self) -> str:

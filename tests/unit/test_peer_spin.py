@@ -4,7 +4,6 @@ communicator's token wait, ShmCommunicator._recv_token)."""
 from __future__ import annotations
 
 import socket
-import struct
 import threading
 
 import pytest
@@ -15,22 +14,26 @@ from horovod.transport.shm import ShmCommunicator
 
 
 class _Socket:
-    """Records how it was read: ``ready_after`` non-blocking reads fail before the token is there."""
+    """A channel (and its socket) that records how it was read: ``ready_after`` non-blocking reads fail
+    before the token is there; the blocking read is the channel's."""
 
     def __init__(self, ready_after: int | None) -> None:
         self.ready_after = ready_after
         self.polls = 0
         self.blocking_reads = 0
+        self.sock = self
 
     def recv_into(self, buf: bytearray, n: int, flags: int = 0) -> int:
-        if flags & socket.MSG_DONTWAIT:
-            self.polls += 1
-            if self.ready_after is None or self.polls <= self.ready_after:
-                raise BlockingIOError
-        else:
-            self.blocking_reads += 1
+        assert flags & socket.MSG_DONTWAIT
+        self.polls += 1
+        if self.ready_after is None or self.polls <= self.ready_after:
+            raise BlockingIOError
         buf[0] = 1
         return 1
+
+    def recv_buffer_into(self, buf: bytearray, what: str) -> None:
+        self.blocking_reads += 1
+        buf[0] = 1
 
 
 def _member(spin: float) -> ShmCommunicator:
@@ -81,15 +84,19 @@ def test_peer_spin_follows_the_knob_and_the_cores(monkeypatch):
 
 
 def test_real_socket_pair():
-    """The non-blocking poll works on the channels' kind of socket (blocking, SO_RCVTIMEO set)."""
+    """The non-blocking poll works on a real channel's socket (blocking, SO_RCVTIMEO set)."""
+    from horovod.transport.communicator import PeerFailure
+    from horovod.transport.wire import Channel
+
     a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    ch = Channel(b, peer=1, timeout=0.2)
     try:
-        b.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", 0, 200_000))  # 0.2 s
         member, tok = _member(0.05), bytearray(1)
         a.sendall(b"\x01")
-        assert member._recv_token(b, tok) == 1 and member._spin._backoff == 1
-        with pytest.raises(BlockingIOError):  # nothing sent: the poll gives up, the bounded read times out
-            member._recv_token(b, tok)
+        assert member._recv_token(ch, tok) == 1 and member._spin._backoff == 1
+        # nothing sent: the poll gives up, the channel's bounded read times out
+        with pytest.raises(PeerFailure, match="rank 1: timed out after 0.2 s while waiting for a shared-memory"):
+            member._recv_token(ch, tok)
         assert member._spin._skip == 1
     finally:
         a.close()

@@ -109,6 +109,54 @@ def test_timeout_names_peer(pair):
     assert info.value.peer == b.peer and "timed out" in info.value.reason
 
 
+@pytest.mark.parametrize("receive", ["buffer", "frame", "exchange"])
+def test_the_deadline_counts_the_silence_after_the_last_byte(pair, receive):
+    """A peer that sends part of a buffer and stops is reported one deadline after its last byte, not after
+    up to two (a blocking MSG_WAITALL read returns the part only when its own deadline ran out), and a peer
+    that keeps trickling bytes is never reported, however long the whole receive takes."""
+    a, b = pair
+    timeout = 1.0
+    b.settimeout(timeout)
+    data = np.arange(1 << 18, dtype=np.uint8)  # 256 KiB
+    stop = threading.Event()
+
+    def trickle(pause: float, chunks: int, then_all: bool) -> None:
+        for i in range(chunks):
+            if stop.wait(pause):
+                return
+            a.sock.sendall(data[i * 10:(i + 1) * 10])
+        if then_all:
+            a.sock.sendall(data[chunks * 10:])
+
+    def receive_all() -> np.ndarray:
+        got = np.zeros_like(data)
+        if receive == "buffer":
+            b.recv_buffer_into(got)
+        elif receive == "frame":
+            got[:] = np.frombuffer(b._recv_payload(data.nbytes), np.uint8)
+        else:
+            exchange([], [Transfer(b, got)], timeout)
+        return got
+
+    # silent 0.6 s between chunks for 3 s in all: longer than the deadline, never silent for as long
+    sender = threading.Thread(target=trickle, args=(0.6, 5, True))
+    sender.start()
+    np.testing.assert_array_equal(receive_all(), data)
+    sender.join()
+
+    # one chunk, then silence: reported within the deadline plus a slice of it after the chunk
+    sender = threading.Thread(target=trickle, args=(0.3, 1, False))
+    sender.start()
+    t0 = time.monotonic()
+    with pytest.raises(PeerFailure, match="timed out") as info:
+        receive_all()
+    waited = time.monotonic() - t0
+    stop.set()
+    sender.join()
+    assert info.value.peer == b.peer
+    assert 0.3 + timeout * 0.95 <= waited <= 0.3 + timeout * 1.5, waited
+
+
 def test_exchange_large_both_ways_does_not_deadlock(pair):
     a, b = pair
     n = 16 * 1024 * 1024  # far beyond any socket buffer

@@ -10,7 +10,8 @@ share it, always in the same order on both sides:
 
 The socket stays in blocking mode (one syscall per call, no poll before it) and gets its deadline from the
 kernel (``SO_RCVTIMEO``/``SO_SNDTIMEO``), so every wait is bounded by ``timeout`` without any Python-side
-polling; a receive sleeps in slices of it and counts the peer's silence (see :meth:`Channel._recv_exact`).  Collectives that must send and receive at once use :func:`exchange`, which drives several
+polling; a receive sleeps in slices of it and counts the peer's silence (see :meth:`Channel._recv_exact`).
+Collectives that must send and receive at once use :func:`exchange`, which drives several
 channels with non-blocking calls (:meth:`Channel.try_send`, :meth:`Channel.try_recv_into`) and ``poll`` so
 large messages never deadlock on full socket buffers.
 

@@ -647,8 +647,8 @@ def exchange(sends: Sequence[Transfer], recvs: Sequence[Transfer], timeout: floa
             poller.register(fd, mask)
         poller.poll(remaining * 1000.0 if bounded else None)
     if pending_r:
-        # Everything we owe is sent, so blocking on the last receive cannot deadlock; the socket's
-        # SO_RCVTIMEO (the channel's timeout) bounds it.
+        # Everything we owe is sent, so blocking on the last receive cannot deadlock; the channel's
+        # deadline bounds the peer's silence in it (Channel._recv_exact).
         t = pending_r[0]
         if spin is not None and spin.seconds:
             try:

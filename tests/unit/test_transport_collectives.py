@@ -72,8 +72,14 @@ def _make(ctx: Ctx, backend: str, ranks: list[int]):
     from horovod.transport.shm import ShmCommunicator
     from horovod.transport.tcp import TcpCommunicator
 
-    if backend == "shm":
-        return ShmCommunicator(ctx.mesh, ranks, ctx.config, piece_bytes=256, small_bytes=0)
+    if backend == "shm":  # through the segments, as where the kernel refuses cross-memory copies
+        return ShmCommunicator(ctx.mesh, ranks, ctx.config, piece_bytes=256, small_bytes=0, cross_memory=False)
+    if backend == "shm-direct":  # member to member, chunks of 3 float32 / 12 uint8 cross every part boundary
+        comm = ShmCommunicator(ctx.mesh, ranks, ctx.config, piece_bytes=256, small_bytes=0, direct_min_bytes=1,
+                               direct_chunk_bytes=12)
+        comm._ready()
+        assert comm._cma is not None, "this host refused cross-memory copies"
+        return comm
     if backend == "shm-default":
         return ShmCommunicator(ctx.mesh, ranks, ctx.config)
     if backend == "shm-poll":  # members poll for tokens whatever the host's cores (off by default at np > cores)
@@ -188,6 +194,11 @@ def _run(size: int, backend: str, ranks: list[int] | None = None, hosts: list[st
 @pytest.mark.parametrize("size", [2, 3, 4])
 def test_shm(size):
     _run(size, "shm")
+
+
+@pytest.mark.parametrize("size", [2, 3, 4])
+def test_shm_member_to_member(size):
+    _run(size, "shm-direct")
 
 
 @pytest.mark.parametrize("size", [3, 4])

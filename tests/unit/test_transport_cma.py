@@ -1,0 +1,160 @@
+"""Cross-memory copies (horovod.transport.cma) and the member-to-member allreduce built on them.
+
+The layout arithmetic and the copies are checked against numpy slicing in one process; the allreduce runs in
+real processes (transport_harness) with buffers of many parts, with a member that refuses, and with a member
+that lies about where its buffer is.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import time
+
+import numpy as np
+import pytest
+from transport_harness import Ctx, run_ranks
+
+from horovod.transport.buffers import Pieces
+from horovod.transport.cma import Layout, cross_memory
+from horovod.transport.communicator import ReduceOp
+
+pytestmark = pytest.mark.skipif(cross_memory() is None, reason="libc without process_vm_readv")
+
+
+def _parts(rng: np.random.Generator, n: int, cuts: int) -> list[np.ndarray]:
+    return np.split(rng.standard_normal(n).astype(np.float32), sorted(rng.choice(np.arange(1, n), cuts, False)))
+
+
+def test_layout_ranges_match_slicing():
+    rng = np.random.default_rng(0)
+    parts = _parts(rng, 1000, 30)
+    flat = np.concatenate(parts)
+    layout = Layout.of(Pieces(parts, merge=False))
+    assert layout.nbytes == flat.nbytes and len(layout.starts) == 31
+    for lo, hi in [(0, 4000), (4, 8), (396, 3604), (3996, 4000)] + [tuple(sorted(rng.integers(0, 4001, 2)))
+                                                                      for _ in range(50)]:
+        got = b"".join(ctypes.string_at(a, n) for a, n in layout.iovecs(int(lo), int(hi)))
+        assert got == flat.tobytes()[lo:hi]
+    back = Layout.decode(layout.encode(), layout.nbytes)
+    assert (back.starts, back.addrs) == (layout.starts, layout.addrs)
+
+
+@pytest.mark.parametrize("pairs", [[(4, 1)], [(0, 1), (0, 2)], [(0, 1), (8, 2), (4, 3)], [(0, 1), (64, 2)]])
+def test_layout_decode_refuses_disorder(pairs):
+    data = b"".join(int(s).to_bytes(8, "little") + int(a).to_bytes(8, "little") for s, a in pairs)
+    with pytest.raises(ValueError, match="increase"):
+        Layout.decode(data, 64)
+
+
+def test_copies_between_ranges_in_this_process():
+    cma = cross_memory()
+    rng = np.random.default_rng(1)
+    src = _parts(rng, 5000, 7)
+    dst = [np.zeros(len(p), np.float32) for p in _parts(rng, 5000, 11)]
+    src_l, dst_l = Layout.of(Pieces(src, merge=False)), Layout.of(Pieces(dst, merge=False))
+    cma.read(os.getpid(), dst_l.iovecs(400, 16000), src_l.iovecs(400, 16000))
+    want = np.zeros(5000, np.float32)
+    want[100:4000] = np.concatenate(src)[100:4000]
+    np.testing.assert_array_equal(np.concatenate(dst), want)
+    cma.write(os.getpid(), src_l.iovecs(0, 20000), dst_l.iovecs(0, 20000))
+    np.testing.assert_array_equal(np.concatenate(dst), np.concatenate(src))
+
+
+def test_copy_failures_raise():
+    cma = cross_memory()
+    buf = np.zeros(16, np.uint8)
+    with pytest.raises(OSError) as bad_address:
+        cma.read(os.getpid(), [(buf.ctypes.data, 16)], [(16, 16)])
+    assert bad_address.value.errno == errno.EFAULT
+    pid = os.fork()
+    if not pid:
+        os._exit(0)
+    os.waitpid(pid, 0)
+    with pytest.raises(OSError) as gone:
+        cma.read(pid, [(buf.ctypes.data, 16)], [(buf.ctypes.data, 16)])
+    assert gone.value.errno == errno.ESRCH
+    with pytest.raises(ValueError, match="different"):
+        cma.read(os.getpid(), [(buf.ctypes.data, 8)], [(buf.ctypes.data, 16)])
+
+
+# -- the member-to-member allreduce, in real processes ------------------------------------------------------
+
+def _comm(ctx: Ctx, **kwargs):
+    from horovod.transport.shm import ShmCommunicator
+
+    comm = ShmCommunicator(ctx.mesh, list(range(ctx.size)), ctx.config, **kwargs)
+    comm._ready()
+    return comm
+
+
+def _many_parts(ctx: Ctx) -> dict:
+    """Inputs and outputs of 300 parts (made contiguous first), in place and not, Average's scale."""
+    from horovod.transport import shm
+
+    comm = _comm(ctx, direct_min_bytes=1, direct_chunk_bytes=1000)
+    calls = []
+    real = comm._allreduce_direct
+    comm._allreduce_direct = lambda *a: calls.append(1) or real(*a)
+    n = 20_000
+    inputs = [np.random.default_rng(r).standard_normal(n).astype(np.float32) for r in range(ctx.size)]
+    cuts = np.linspace(0, n, shm._DIRECT_MAX_PARTS + 45).astype(int)[1:-1]
+    outs = [np.full(len(p), np.nan, np.float32) for p in np.split(np.zeros(n), cuts)]
+    comm.allreduce_scaled(Pieces(np.split(inputs[ctx.rank].copy(), cuts), merge=False), Pieces(outs, merge=False),
+                          ReduceOp.SUM, 1 / ctx.size)
+    in_place = inputs[ctx.rank].copy()
+    comm.allreduce_scaled(in_place, in_place, ReduceOp.MAX, 1.0)
+    return {"direct": comm._cma is not None and len(calls) == 2, "avg": np.concatenate(outs), "max": in_place,
+            "inputs": inputs}
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_member_to_member_with_many_parts(size):
+    res = run_ranks(size, _many_parts, timeout=60)
+    inputs = res[0][1]["inputs"]
+    total = inputs[0].copy()
+    for x in inputs[1:]:
+        total = total + x
+    for r in range(size):
+        status, got, _ = res[r]
+        assert status == "ok" and got["direct"]
+        np.testing.assert_allclose(got["avg"], total * np.float32(1 / size), rtol=1e-5, atol=1e-6)
+        np.testing.assert_array_equal(got["max"], np.max(inputs, axis=0))
+        assert got["avg"].tobytes() == res[0][1]["avg"].tobytes(), "members got different bits"
+
+
+def _one_refuses(ctx: Ctx) -> tuple[bool, bool]:
+    comm = _comm(ctx, cross_memory=ctx.rank != 1, direct_min_bytes=1)
+    x = np.full(100_000, ctx.rank + 1.0, np.float32)
+    comm.allreduce(x, x, ReduceOp.SUM)
+    return comm._cma is None, bool((x == ctx.size * (ctx.size + 1) / 2).all())
+
+
+def test_one_member_refusing_keeps_every_member_on_the_segments():
+    res = run_ranks(3, _one_refuses, timeout=60)
+    assert [res[r][1] for r in range(3)] == [(True, True)] * 3
+
+
+def _liar(ctx: Ctx) -> tuple[str, int, float]:
+    from horovod.transport import cma
+    from horovod.transport.communicator import PeerFailure
+
+    comm = _comm(ctx, direct_min_bytes=1)
+    if ctx.rank == 1:  # says its buffers are at address 4096, which it has not mapped
+        cma.Layout.of = classmethod(lambda cls, buf: cls([0], [4096], buf.nbytes))
+    t0 = time.monotonic()
+    try:
+        x = np.ones(100_000, np.float32)
+        comm.allreduce(x, x, ReduceOp.SUM)
+    except PeerFailure as e:
+        return e.reason, e.peer, time.monotonic() - t0
+    return "no error", -1, 0.0
+
+
+def test_a_member_lying_about_its_buffer_is_named():
+    res = run_ranks(2, _liar, op_timeout=2.0, timeout=60)
+    reason, peer, took = res[0][1]
+    assert peer == 1 and "cross-memory copy failed" in reason and took < 1.0, res[0][1]
+    reason, peer, took = res[1][1]  # the liar itself learns the job failed, within the deadline
+    assert peer == 0 and took < 3.0, res[1][1]

@@ -91,18 +91,23 @@ def stop_in_tcp_transfer():
 
 
 def stop_in_shm_collective(after=4):
-    # Stop before the 4th token round of a many-piece shared-memory allreduce.
+    # Stop before the 4th token round of a many-piece allreduce through the segments, or before the 4th copy
+    # of one that goes member to member (the others then read and write a stopped process's memory).
     from horovod.transport.shm import ShmCommunicator
-    orig, calls = ShmCommunicator._signal, [0]
+    calls = [0]
 
-    def _signal(self):
-        calls[0] += 1
-        if calls[0] == after:
-            ShmCommunicator._signal = orig
-            stop_me()
-        return orig(self)
+    def stopping(name):
+        orig = getattr(ShmCommunicator, name)
 
-    ShmCommunicator._signal = _signal
+        def hook(self, *args):
+            calls[0] += 1
+            if calls[0] == after:
+                stop_me()
+            return orig(self, *args)
+        setattr(ShmCommunicator, name, hook)
+
+    stopping("_signal")
+    stopping("_copy")
 
 
 BIG = np.arange(8 << 20, dtype=np.float32)  # 32 MiB: many socket buffers, many shm pieces
@@ -138,8 +143,14 @@ _CASES = {
             stop_in_tcp_transfer()
         attempt(lambda: hvd.allreduce(BIG, name="big"))
     """),
-    # a non-zero rank stops in the middle of a shared-memory allreduce
+    # a non-zero rank stops in the middle of a shared-memory allreduce: member to member, and through the
+    # segments (where the kernel refuses cross-memory copies)
     "mid_shm": ("last", """
+        if RANK == VICTIM:
+            stop_in_shm_collective()
+        attempt(lambda: hvd.allreduce(BIG, name="big"))
+    """),
+    "mid_shm_segments": ("last", """
         if RANK == VICTIM:
             stop_in_shm_collective()
         attempt(lambda: hvd.allreduce(BIG, name="big"))
@@ -171,6 +182,7 @@ _CASES = {
 }
 
 _TCP_ONLY = {"rank0_mid_tcp", "mid_tcp", "timer_tcp"}
+_SEGMENTS_ONLY = {"mid_shm_segments"}
 
 
 def _culprits(text: str) -> set[int]:
@@ -191,6 +203,8 @@ def test_stopped_rank_is_named_on_every_live_rank(tmp_path, case, np_):
     env = clean_env(HOROVOD_GLOO_TIMEOUT_SECONDS=str(OP_TIMEOUT), HOROVOD_STALL_SHUTDOWN_TIME_SECONDS="4")
     if case in _TCP_ONLY:
         env["HOROVOD_SHM_DISABLE"] = "1"
+    if case in _SEGMENTS_ONLY:
+        env["HOROVOD_SHM_CROSS_MEMORY"] = "0"
     code, out, marker = launch(np_, [sys.executable, str(script), str(tmp_path), str(victim)], env=env,
                                timeout=90.0)
     leftovers = marked_processes(marker)

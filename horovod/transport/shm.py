@@ -336,7 +336,7 @@ class ShmCommunicator(Communicator):
                         for off, src in segments(lo, hi):
                             copy_into(dst[off:off + src.size], src)
 
-        if self._cma is not None and inp.nbytes >= self.direct_min_bytes:
+        if self._direct(inp.nbytes):
             self._allreduce_direct(inp, out, op, scale)
             return
         if npieces == 1 and (size == 2 or size * inp.nbytes <= ONE_ROUND_BYTES):
@@ -411,7 +411,7 @@ class ShmCommunicator(Communicator):
         if type(out) is Pieces and len(out.parts) > _DIRECT_MAX_PARTS:
             scatter_to, out = out, np.empty(total, dtype)
         out_layout = Layout.of(out)
-        theirs = self._swap_layouts(Layout.of(inp), out_layout, total * itemsize)
+        theirs = self._swap_layouts(Layout.of(inp), out_layout, [total * itemsize] * size, "an allreduce")
         bounds = offsets(split_counts(total, size))
         lo, hi = bounds[me], bounds[me + 1]
         step = max(1, self.direct_chunk_bytes // itemsize)
@@ -443,6 +443,11 @@ class ShmCommunicator(Communicator):
         if scatter_to is not None:
             scatter_to.scatter(out)
 
+    def _direct(self, nbytes: int) -> bool:
+        """Whether a collective of ``nbytes`` goes member to member (maps the segments first)."""
+        self._ready()
+        return self._cma is not None and nbytes >= self.direct_min_bytes
+
     def _copy(self, call: Any, member: int, local: list[tuple[int, int]], remote: list[tuple[int, int]]) -> None:
         try:
             call(self._pids[member], local, remote)
@@ -451,9 +456,11 @@ class ShmCommunicator(Communicator):
             raise PeerFailure(self.ranks[member], "exited during a cross-memory copy" if gone else
                               f"cross-memory copy failed: {e.strerror or e}", closed=gone) from e
 
-    def _swap_layouts(self, mine_in: Layout, mine_out: Layout, nbytes: int) -> dict[int, tuple[Layout, Layout]]:
-        """Send every member where my input and output lie; receive theirs (checked against ``nbytes``)."""
-        msg = _LAYOUTS.pack(_LAYOUTS_MAGIC, nbytes, len(mine_in.starts), len(mine_out.starts)) + \
+    def _swap_layouts(self, mine_in: Layout, mine_out: Layout, nbytes: list[int],
+                      collective: str) -> dict[int, tuple[Layout, Layout]]:
+        """Send every member where my input and output lie; receive theirs (member ``i``'s checked against
+        ``nbytes[i]``, the size of its input)."""
+        msg = _LAYOUTS.pack(_LAYOUTS_MAGIC, nbytes[self.rank], len(mine_in.starts), len(mine_out.starts)) + \
             mine_in.encode() + mine_out.encode()
         what = "swapping buffer layouts"
         for ch in self.peers.values():
@@ -464,14 +471,14 @@ class ShmCommunicator(Communicator):
         theirs = {}
         for i, ch in self.peers.items():
             magic, size, n_in, n_out = _LAYOUTS.unpack(self._recv_exactly(ch, bytearray(_LAYOUTS.size), what))
-            if magic != _LAYOUTS_MAGIC or size != nbytes or not (0 < n_in <= _DIRECT_MAX_PARTS) \
+            if magic != _LAYOUTS_MAGIC or size != nbytes[i] or not (0 < n_in <= _DIRECT_MAX_PARTS) \
                     or not (0 < n_out <= _DIRECT_MAX_PARTS):
-                raise PeerFailure(ch.peer, f"sent a malformed layout ({size} bytes, {n_in}/{n_out} parts) for an "
-                                           f"allreduce of {nbytes} bytes")
+                raise PeerFailure(ch.peer, f"sent a malformed layout ({size} bytes, {n_in}/{n_out} parts) for "
+                                           f"{collective} expecting {nbytes[i]} bytes from it")
             body = bytearray(16 * (n_in + n_out))
             ch.recv_buffer_into(body, what)
             try:
-                theirs[i] = (Layout.decode(body[:16 * n_in], nbytes), Layout.decode(body[16 * n_in:], nbytes))
+                theirs[i] = (Layout.decode(body[:16 * n_in], size), Layout.decode(body[16 * n_in:], size))
             except ValueError as e:
                 raise PeerFailure(ch.peer, f"sent {e}") from e
         return theirs
@@ -504,6 +511,19 @@ class ShmCommunicator(Communicator):
             return
         dtype, me = out.dtype, self.rank
         offs = offsets(counts)
+        if self._direct(out.nbytes):  # each member reads the others' inputs straight into its output
+            itemsize = dtype.itemsize
+            theirs = self._swap_layouts(Layout.of(inp), Layout.of(inp), [c * itemsize for c in counts],
+                                        "an allgather")
+            self._held = (inp, out)
+            place(out[offs[me]:offs[me + 1]], inp)
+            for i, (layout, _) in theirs.items():
+                if counts[i]:
+                    part = out[offs[i]:offs[i + 1]]
+                    self._copy(self._cma.read, i, [(part.ctypes.data, part.nbytes)], layout.iovecs(0, part.nbytes))
+            self._signal()  # nobody returns (and frees its input) before every member has read it
+            self._held = ()
+            return
         chunk = self.slot_bytes // dtype.itemsize  # a member's whole slot per round
         nrounds = -(-max(counts) // chunk)
         place(out[offs[me]:offs[me + 1]], inp)
@@ -529,6 +549,16 @@ class ShmCommunicator(Communicator):
             self.sockets.broadcast(buf, root)
             return
         dtype, me = buf.dtype, self.rank
+        if self._direct(buf.nbytes):  # the others read the root's buffer where it lies
+            layout = Layout.of(buf)
+            theirs = self._swap_layouts(layout, layout, [buf.nbytes] * self.size, "a broadcast")
+            self._held = (buf,)
+            if me != root:
+                self._copy(self._cma.read, root, [(buf.ctypes.data, buf.nbytes)],
+                           theirs[root][0].iovecs(0, buf.nbytes))
+            self._signal()  # the root returns once every member has read its buffer
+            self._held = ()
+            return
         chunk = self.slot_bytes // dtype.itemsize
         nrounds = -(-buf.size // chunk)
 

@@ -272,8 +272,9 @@ KNOBS: tuple[Knob, ...] = (
          None, None, "Use TCP even between ranks on the same host (tests the cross-host path).", None,
          _bool_env),
     Knob("shm_cross_memory", "HOROVOD_SHM_CROSS_MEMORY", parse_bool, True,
-         None, None, "Let ranks on one host copy large allreduces straight between their buffers "
-         "(process_vm_readv/writev, probed at start); off: through the shared segments.", None, _bool_env),
+         None, None, "Let ranks on one host copy large allreduces, broadcasts and allgathers straight between "
+         "their buffers (process_vm_readv/writev, probed at start); off: through the shared segments.", None,
+         _bool_env),
     Knob("dynamic_process_sets", "HOROVOD_DYNAMIC_PROCESS_SETS", parse_bool, False,
          None, None, "Allow add_process_set/remove_process_set after init.", None, _bool_env),
     Knob("disable_group_fusion", "HOROVOD_DISABLE_GROUP_FUSION", parse_bool, False,

@@ -4,8 +4,8 @@
 collective among ranks of one host need not stage every byte in a shared segment (one copy in, one copy out):
 the owner of a part reads the others' inputs of it and writes its result into their outputs.  The kernel
 allows it between processes that may ptrace each other (same user; under Yama's ``ptrace_scope`` 1 only
-once the target names an ancestor of the caller with ``PR_SET_PTRACER``, which :func:`allow_siblings` does for
-the launcher that started the ranks); where the kernel, a seccomp profile or Yama refuses, the shared segments
+once the target names an ancestor of the caller with ``PR_SET_PTRACER``, which :func:`allow_peers` does for the
+launcher that started the ranks); where the kernel, a seccomp profile or Yama refuses, the shared segments
 carry the bytes (:class:`~horovod.transport.shm.ShmCommunicator` probes first).
 
 Addresses come from peers over the job's authenticated channels; a wrong one makes the call fail (``EFAULT``)
@@ -25,7 +25,7 @@ import numpy as np
 
 from horovod.transport.buffers import Pieces
 
-__all__ = ["Layout", "CrossMemory", "cross_memory", "allow_siblings"]
+__all__ = ["Layout", "CrossMemory", "cross_memory", "allow_peers", "common_ancestor"]
 
 _IOV_MAX = 1024  # the kernel's limit of iovecs per call (UIO_MAXIOV)
 _PR_SET_PTRACER = 0x59616D61
@@ -55,6 +55,8 @@ class Layout:
                 starts.append(at)
                 at += p.size * size
             return cls(starts, [p.__array_interface__["data"][0] for p in parts], at)
+        if not buf.flags.c_contiguous:  # the communicators' contract; a strided view would read other memory
+            raise ValueError("cross-memory copies need C-contiguous buffers")
         return cls([0], [buf.__array_interface__["data"][0]], buf.nbytes)
 
     def encode(self) -> bytes:
@@ -138,12 +140,55 @@ def cross_memory() -> CrossMemory | None:
     return _cross_memory  # type: ignore[return-value]
 
 
-def allow_siblings() -> None:
-    """Under Yama's ``ptrace_scope`` 1 a process may only trace its descendants: name this process's parent (the
-    launcher of the job's ranks on this host) as allowed tracer, which admits the parent's other children, our
-    peers, and nothing outside the launcher's tree.  No effect without Yama; scope 2 and 3 still refuse (the probe
-    then falls back)."""
+def _parent(pid: int) -> int:
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        stat = f.read()
+    return int(stat[stat.rindex(b")") + 2:].split()[1])  # after the name, which may hold spaces and ')'
+
+
+def _ancestors(pid: int) -> list[int]:
+    """``pid``'s parent, grandparent ... up to (not including) init."""
+    chain = []
+    pid = _parent(pid)
+    while pid > 1 and len(chain) < 256:
+        chain.append(pid)
+        pid = _parent(pid)
+    return chain
+
+
+def common_ancestor(pids: list[int]) -> int | None:
+    """The nearest process (other than init) that is an ancestor of this one and of every process in ``pids``:
+    the launcher that started this host's ranks, whatever stands between it and them (None if there is none or
+    a process is not visible)."""
     try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PTRACER, ctypes.c_ulong(os.getppid()), 0, 0, 0)
+        mine = _ancestors(os.getpid())
+        shared = set(mine)
+        for pid in pids:
+            shared.intersection_update(_ancestors(pid))
+    except (OSError, ValueError, IndexError):
+        return None
+    return next((pid for pid in mine if pid in shared), None)
+
+
+def _yama_scope() -> int | None:
+    try:
+        with open("/proc/sys/kernel/yama/ptrace_scope") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return None
+
+
+def allow_peers(pids: list[int]) -> None:
+    """Under Yama's ``ptrace_scope`` 1 a process may only trace its own descendants, and the ranks of a host are
+    cousins at best (``horovodrun`` puts a watchdog above each): name our nearest common ancestor as allowed
+    tracer (``PR_SET_PTRACER``), which admits its descendants -- the peers -- and nothing outside its tree.  No
+    effect without Yama; scope 2 and 3 refuse anyway (the probe then falls back to the segments)."""
+    if _yama_scope() != 1:
+        return
+    ancestor = common_ancestor(pids)
+    if ancestor is None:
+        return
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PTRACER, ctypes.c_ulong(ancestor), 0, 0, 0)
     except (AttributeError, OSError):
         pass

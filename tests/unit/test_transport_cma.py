@@ -41,6 +41,11 @@ def test_layout_ranges_match_slicing():
     assert (back.starts, back.addrs) == (layout.starts, layout.addrs)
 
 
+def test_layout_refuses_a_strided_buffer():
+    with pytest.raises(ValueError, match="C-contiguous"):
+        Layout.of(np.zeros(10)[::2])
+
+
 @pytest.mark.parametrize("pairs", [[(4, 1)], [(0, 1), (0, 2)], [(0, 1), (8, 2), (4, 3)], [(0, 1), (64, 2)]])
 def test_layout_decode_refuses_disorder(pairs):
     data = b"".join(int(s).to_bytes(8, "little") + int(a).to_bytes(8, "little") for s, a in pairs)
@@ -77,6 +82,70 @@ def test_copy_failures_raise():
     assert gone.value.errno == errno.ESRCH
     with pytest.raises(ValueError, match="different"):
         cma.read(os.getpid(), [(buf.ctypes.data, 8)], [(buf.ctypes.data, 16)])
+
+
+def test_common_ancestor_of_siblings_is_their_parent(tmp_path):
+    from horovod.transport.cma import common_ancestor
+
+    hold_r, hold_w = os.pipe()  # the children live until both have answered (a reaped sibling has no ancestry)
+    children = []
+    for _ in range(2):
+        r, w = os.pipe()
+        pid = os.fork()
+        if not pid:
+            os.close(w)
+            os.close(hold_w)
+            sibling = int(os.read(r, 32))
+            (tmp_path / str(os.getpid())).write_text(str(common_ancestor([sibling])))
+            os.read(hold_r, 1)
+            os._exit(0)
+        os.close(r)
+        children.append((pid, w))
+    os.close(hold_r)
+    for (_, w), (other, _) in zip(children, reversed(children)):
+        os.write(w, str(other).encode())
+        os.close(w)
+    deadline = time.monotonic() + 10
+    while not all((tmp_path / str(pid)).exists() for pid, _ in children) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    os.close(hold_w)
+    for pid, _ in children:
+        os.waitpid(pid, 0)
+    assert [(tmp_path / str(pid)).read_text() for pid, _ in children] == [str(os.getpid())] * 2
+
+
+_ANCESTOR_JOB = """
+import json, os, sys
+import numpy as np
+import horovod.numpy as hvd
+from horovod.transport.cma import common_ancestor
+
+hvd.init()
+pids = hvd.allgather(np.array([os.getpid()]), name="pids").tolist()
+ancestor = common_ancestor([p for p in pids if p != os.getpid()])
+with open(f"/proc/{ancestor}/cmdline", "rb") as f:
+    cmdline = f.read().decode().split("\\0")
+json.dump({"ancestor": ancestor, "parent": os.getppid(), "cmdline": cmdline},
+          open(os.path.join(sys.argv[1], f"{hvd.rank()}.json"), "w"))
+"""
+
+
+def test_ranks_under_horovodrun_name_the_launcher(tmp_path):
+    """Each rank has its own watchdog as parent; the process the ranks share is the launcher, which is what a
+    rank names as allowed tracer under Yama's ptrace_scope 1."""
+    import json
+    import sys
+
+    from launch_util import launch
+
+    script = tmp_path / "job.py"
+    script.write_text(_ANCESTOR_JOB)
+    code, out, _ = launch(3, [sys.executable, str(script), str(tmp_path)], timeout=120)
+    assert code == 0, out
+    reports = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(3)]
+    assert len({rep["ancestor"] for rep in reports}) == 1, reports
+    for rep in reports:
+        assert rep["ancestor"] != rep["parent"] and "horovod.runner" in rep["cmdline"], rep
 
 
 # -- the member-to-member allreduce, in real processes ------------------------------------------------------
@@ -125,7 +194,17 @@ def test_member_to_member_with_many_parts(size):
 
 
 def _one_refuses(ctx: Ctx) -> tuple[bool, bool]:
-    comm = _comm(ctx, cross_memory=ctx.rank != 1, direct_min_bytes=1)
+    import dataclasses
+
+    from horovod.base.config import read_runtime_config
+    from horovod.transport.shm import ShmCommunicator
+
+    if ctx.rank == 1:  # this member's environment says HOROVOD_SHM_CROSS_MEMORY=0
+        off = read_runtime_config({"HOROVOD_SHM_CROSS_MEMORY": "0"}).shm_cross_memory
+        config = dataclasses.replace(ctx.config, shm_cross_memory=off)
+    else:
+        config = ctx.config
+    comm = ShmCommunicator(ctx.mesh, list(range(ctx.size)), config, direct_min_bytes=1)
     x = np.full(100_000, ctx.rank + 1.0, np.float32)
     comm.allreduce(x, x, ReduceOp.SUM)
     return comm._cma is None, bool((x == ctx.size * (ctx.size + 1) / 2).all())

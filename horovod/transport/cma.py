@@ -9,23 +9,16 @@ launcher that started the ranks); where the kernel, a seccomp profile or Yama re
 carry the bytes (:class:`~horovod.transport.shm.ShmCommunicator` probes first).
 
 Addresses come from peers over the job's authenticated channels; a wrong one makes the call fail (``EFAULT``)
-or touch only memory of the peer, which this process may ptrace anyway.  Buffers are described by
-:class:`Layout`: where each contiguous part of a logical 1-D byte range lives.
+or touch only memory of the peer, which this process may ptrace anyway.
 """
 
 from __future__ import annotations
 
-import bisect
 import ctypes
 import errno
 import os
-import struct
 
-import numpy as np
-
-from horovod.transport.buffers import Pieces
-
-__all__ = ["Layout", "CrossMemory", "cross_memory", "allow_peers", "common_ancestor"]
+__all__ = ["CrossMemory", "cross_memory", "allow_peers", "common_ancestor"]
 
 _IOV_MAX = 1024  # the kernel's limit of iovecs per call (UIO_MAXIOV)
 _PR_SET_PTRACER = 0x59616D61
@@ -33,58 +26,6 @@ _PR_SET_PTRACER = 0x59616D61
 
 class _Iovec(ctypes.Structure):
     _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
-
-
-class Layout:
-    """Where the bytes ``[0, nbytes)`` of a logical 1-D buffer live: part ``i`` starts at byte ``starts[i]`` of
-    the buffer and at address ``addrs[i]``.  Built from a local buffer, or decoded from a peer's message."""
-
-    __slots__ = ("starts", "addrs", "nbytes")
-    _PAIR = struct.Struct("<QQ")
-
-    def __init__(self, starts: list[int], addrs: list[int], nbytes: int) -> None:
-        self.starts, self.addrs, self.nbytes = starts, addrs, nbytes
-
-    @classmethod
-    def of(cls, buf: np.ndarray | Pieces) -> Layout:
-        if type(buf) is Pieces:
-            size = buf.dtype.itemsize
-            parts = [p for p in buf.parts if p.size]
-            starts, at = [], 0
-            for p in parts:
-                starts.append(at)
-                at += p.size * size
-            return cls(starts, [p.__array_interface__["data"][0] for p in parts], at)
-        if not buf.flags.c_contiguous:  # the communicators' contract; a strided view would read other memory
-            raise ValueError("cross-memory copies need C-contiguous buffers")
-        return cls([0], [buf.__array_interface__["data"][0]], buf.nbytes)
-
-    def encode(self) -> bytes:
-        return b"".join(self._PAIR.pack(s, a) for s, a in zip(self.starts, self.addrs))
-
-    @classmethod
-    def decode(cls, data: bytes, nbytes: int) -> Layout:
-        """The inverse of :meth:`encode`; ``ValueError`` unless the parts start at 0 and in increasing order
-        within ``nbytes``."""
-        pairs = np.frombuffer(data, "<u8").reshape(-1, 2)
-        starts, addrs = pairs[:, 0].tolist(), pairs[:, 1].tolist()
-        if nbytes and (not starts or starts[0] != 0 or any(b <= a for a, b in zip(starts, starts[1:]))
-                       or starts[-1] >= nbytes):
-            raise ValueError("a buffer layout whose parts do not start at 0 and increase")
-        return cls(starts, addrs, nbytes)
-
-    def iovecs(self, lo: int, hi: int) -> list[tuple[int, int]]:
-        """(address, length) of the bytes ``[lo, hi)``, part by part."""
-        starts, addrs = self.starts, self.addrs
-        i = bisect.bisect_right(starts, lo) - 1
-        out = []
-        while lo < hi:
-            end = starts[i + 1] if i + 1 < len(starts) else self.nbytes
-            take = min(hi, end) - lo
-            out.append((addrs[i] + lo - starts[i], take))
-            lo += take
-            i += 1
-        return out
 
 
 class CrossMemory:
@@ -99,7 +40,6 @@ class CrossMemory:
                            ctypes.c_ulong]
             fn.restype = ctypes.c_ssize_t
             self._calls.append(fn)
-        self._single = (_Iovec(), _Iovec())
 
     def read(self, pid: int, local: list[tuple[int, int]], remote: list[tuple[int, int]]) -> None:
         """Copy the peer's ``remote`` (address, length) ranges, in order, into this process's ``local`` ones."""
@@ -113,16 +53,14 @@ class CrossMemory:
         nbytes = sum(n for _, n in remote)
         if len(local) > _IOV_MAX or len(remote) > _IOV_MAX or sum(n for _, n in local) != nbytes:
             raise ValueError(f"{len(local)} and {len(remote)} ranges of different or too many bytes")
-        done = call(pid, self._iovecs(local, 0), len(local), self._iovecs(remote, 1), len(remote), 0)
+        done = call(pid, self._iovecs(local), len(local), self._iovecs(remote), len(remote), 0)
         if done != nbytes:
             err = ctypes.get_errno() if done < 0 else errno.EFAULT
             raise OSError(err, f"{os.strerror(err)} ({done} of {nbytes} bytes copied)")
 
-    def _iovecs(self, ranges: list[tuple[int, int]], which: int):
-        if len(ranges) == 1:  # the common case, without building an array
-            iov = self._single[which]
-            iov.base, iov.len = ranges[0]
-            return ctypes.byref(iov)
+    @staticmethod
+    def _iovecs(ranges: list[tuple[int, int]]):
+        """A ``struct iovec`` array, new for each call (communicators of several threads share this object)."""
         return (_Iovec * len(ranges))(*ranges)
 
 

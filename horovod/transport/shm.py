@@ -42,7 +42,6 @@ import mmap
 import os
 import socket
 import struct
-from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -51,7 +50,7 @@ from horovod.base.config import RuntimeConfig
 from horovod.base.cores import Spin
 from horovod.base.exceptions import WireError
 from horovod.transport.buffers import Pieces, copy_into, offsets, place, split_counts
-from horovod.transport.cma import CrossMemory, Layout, allow_peers, cross_memory
+from horovod.transport.cma import CrossMemory, allow_peers, cross_memory
 from horovod.transport.communicator import Communicator, PeerFailure, ReduceOp, reduce_into
 from horovod.transport.mesh import Mesh
 from horovod.transport.scaling import scale_inplace
@@ -75,11 +74,8 @@ SMALL_BYTES = 64 * 1024
 # each member reduces its part in chunks of DIRECT_CHUNK_BYTES, which stay in cache between read and write.
 DIRECT_MIN_BYTES = 384 * 1024
 DIRECT_CHUNK_BYTES = 256 * 1024
-# A buffer of more parts is made contiguous first, so the layouts the members swap stay a few KiB (sent before
-# anything is received: they must fit the sockets' buffers).
-_DIRECT_MAX_PARTS = 256
-_LAYOUTS = struct.Struct("<IQII")  # magic, bytes, parts of the input, parts of the output
-_LAYOUTS_MAGIC = 0x484C5954
+_WHERE = struct.Struct("<IQBQQ")  # magic, bytes of my input, my buffers are plain arrays, input, output address
+_WHERE_MAGIC = 0x48565748
 _PROBE_WAIT = "agreeing on cross-memory copies"
 _FD_FRAME = 0x51
 _TOKEN = b"\x01"
@@ -341,8 +337,13 @@ class ShmCommunicator(Communicator):
                             copy_into(dst[off:off + src.size], src)
 
         if self._direct(inp.nbytes):
-            self._allreduce_direct(inp, out, op, scale)
-            return
+            plain = type(inp) is np.ndarray and type(out) is np.ndarray
+            where = self._swap_addresses(inp if plain else None, out if plain else None, [inp.nbytes] * size,
+                                         "an allreduce")
+            if where is not None:
+                self._allreduce_direct(inp, out, op, scale, where)
+                return
+            # a member holds Pieces (TensorFlow's own buffers): through the segments, where they measured faster
         if npieces == 1 and (size == 2 or size * inp.nbytes <= ONE_ROUND_BYTES):
             self._allreduce_one_round(inp, total, dtype, out, op, scale)
             return
@@ -400,23 +401,16 @@ class ShmCommunicator(Communicator):
             scale_inplace(dst, scale)
         self._parity = (slot + 1) & 1
 
-    def _allreduce_direct(self, inp: np.ndarray | Pieces, out: np.ndarray | Pieces, op: ReduceOp,
-                          scale: float) -> None:
-        """Member to member (see the module doc): swap layouts, then per chunk of the part I own read the
-        others' inputs of it, reduce them with mine in member order straight into my output, scale, and write
-        that into theirs; one token round.  Every part is reduced by one member, so all get the same bits."""
-        cma = self._cma
-        assert cma is not None
+    def _allreduce_direct(self, inp: np.ndarray, out: np.ndarray, op: ReduceOp, scale: float,
+                          where: dict[int, tuple[int, int]]) -> None:
+        """Member to member (see the module doc; ``where``: each other member's input and output address): per
+        chunk of the part I own, read the others' inputs of it, reduce them with mine in member order straight
+        into my output, scale, and write that into theirs; one token round.  Every part is reduced by one
+        member, so all get the same bits."""
+        read, write = self._cma.read, self._cma.write  # type: ignore[union-attr]
         dtype, size, me = inp.dtype, self.size, self.rank
-        itemsize, total = dtype.itemsize, inp.size
-        if type(inp) is Pieces and len(inp.parts) > _DIRECT_MAX_PARTS:
-            inp = inp.concatenate()
-        scatter_to = None
-        if type(out) is Pieces and len(out.parts) > _DIRECT_MAX_PARTS:
-            scatter_to, out = out, np.empty(total, dtype)
-        out_layout = Layout.of(out)
-        theirs = self._swap_layouts(Layout.of(inp), out_layout, [total * itemsize] * size, "an allreduce")
-        bounds = offsets(split_counts(total, size))
+        itemsize = dtype.itemsize
+        bounds = offsets(split_counts(inp.size, size))
         lo, hi = bounds[me], bounds[me + 1]
         step = max(1, self.direct_chunk_bytes // itemsize)
         rows = [r.view(dtype) for r in self._scratch_rows(size, step * itemsize)]  # the members' inputs
@@ -425,67 +419,64 @@ class ShmCommunicator(Communicator):
         self._held = (inp, out)  # a peer that failed mid-copy may still write into out: keep it allocated
         for s in range(lo, hi, step):
             e = min(s + step, hi)
-            n, blo, bhi = e - s, s * itemsize, e * itemsize
-            for i in self._pids:
-                self._copy(cma.read, i, [(rows[i].ctypes.data, n * itemsize)], theirs[i][0].iovecs(blo, bhi))
-            mine = _segments(inp, s, e)
+            nbytes, at = (e - s) * itemsize, s * itemsize
+            for i, (their_in, _) in where.items():
+                self._copy(read, i, rows[i], their_in + at, nbytes)
+            mine = inp[s:e]
             if copy_mine:
-                for off, part in mine:
-                    copy_into(rows[me][off:off + part.size], part)
-                mine = ((0, rows[me][:n]),)
-            for off, m, acc in _side_by_side(mine, _segments(out, s, e)):
-                srcs = [m if i == me else rows[i][off:off + m.size] for i in range(size)]
-                reduce_into(op, srcs[0], srcs[1], acc)
-                for src in srcs[2:]:
-                    reduce_into(op, acc, src, acc)
-                scale_inplace(acc, scale)
-            local = out_layout.iovecs(blo, bhi)
-            for i in self._pids:
-                self._copy(cma.write, i, local, theirs[i][1].iovecs(blo, bhi))
+                copy_into(rows[me][:e - s], mine)
+                mine = rows[me][:e - s]
+            acc = out[s:e]
+            srcs = [mine if i == me else rows[i][:e - s] for i in range(size)]
+            reduce_into(op, srcs[0], srcs[1], acc)
+            for src in srcs[2:]:
+                reduce_into(op, acc, src, acc)
+            scale_inplace(acc, scale)
+            for i, (_, their_out) in where.items():
+                self._copy(write, i, acc, their_out + at, nbytes)
         self._signal()
         self._held = ()
-        if scatter_to is not None:
-            scatter_to.scatter(out)
 
     def _direct(self, nbytes: int) -> bool:
-        """Whether a collective of ``nbytes`` goes member to member (maps the segments first)."""
+        """Whether a collective of ``nbytes`` may go member to member (maps the segments first)."""
         self._ready()
         return self._cma is not None and nbytes >= self.direct_min_bytes
 
-    def _copy(self, call: Any, member: int, local: list[tuple[int, int]], remote: list[tuple[int, int]]) -> None:
+    def _copy(self, call: Any, member: int, local: np.ndarray, remote: int, nbytes: int) -> None:
+        """``call`` (read or write) between ``local`` and ``nbytes`` at address ``remote`` of ``member``."""
         try:
-            call(self._pids[member], local, remote)
+            call(self._pids[member], [(_address(local), nbytes)], [(remote, nbytes)])
         except OSError as e:
             gone = e.errno == errno.ESRCH
             raise PeerFailure(self.ranks[member], "exited during a cross-memory copy" if gone else
                               f"cross-memory copy failed: {e.strerror or e}", closed=gone) from e
 
-    def _swap_layouts(self, mine_in: Layout, mine_out: Layout, nbytes: list[int],
-                      collective: str) -> dict[int, tuple[Layout, Layout]]:
-        """Send every member where my input and output lie; receive theirs (member ``i``'s checked against
-        ``nbytes[i]``, the size of its input)."""
-        msg = _LAYOUTS.pack(_LAYOUTS_MAGIC, nbytes[self.rank], len(mine_in.starts), len(mine_out.starts)) + \
-            mine_in.encode() + mine_out.encode()
-        what = "swapping buffer layouts"
+    def _swap_addresses(self, inp: np.ndarray | None, out: np.ndarray | None, nbytes: list[int],
+                        collective: str) -> dict[int, tuple[int, int]] | None:
+        """Send every member where my input and output lie (None: I hold something else than plain arrays);
+        receive theirs, member ``i``'s input checked to be ``nbytes[i]`` long.  None unless every member's
+        buffers are plain arrays -- then nobody copies member to member."""
+        plain = inp is not None and out is not None
+        if plain and not (inp.flags.c_contiguous and out.flags.c_contiguous):
+            raise ValueError("member-to-member copies need C-contiguous buffers")
+        msg = _WHERE.pack(_WHERE_MAGIC, nbytes[self.rank], plain, _address(inp) if plain else 0,
+                          _address(out) if plain else 0)
+        what = "swapping buffer addresses"
         for ch in self.peers.values():
             try:
                 ch.sock.sendall(msg)
             except OSError as e:
                 raise ch._fail(e, what) from e
-        theirs = {}
+        where = {}
         for i, ch in self.peers.items():
-            magic, size, n_in, n_out = _LAYOUTS.unpack(self._recv_exactly(ch, bytearray(_LAYOUTS.size), what))
-            if magic != _LAYOUTS_MAGIC or size != nbytes[i] or not (0 < n_in <= _DIRECT_MAX_PARTS) \
-                    or not (0 < n_out <= _DIRECT_MAX_PARTS):
-                raise PeerFailure(ch.peer, f"sent a malformed layout ({size} bytes, {n_in}/{n_out} parts) for "
-                                           f"{collective} expecting {nbytes[i]} bytes from it")
-            body = bytearray(16 * (n_in + n_out))
-            ch.recv_buffer_into(body, what)
-            try:
-                theirs[i] = (Layout.decode(body[:16 * n_in], size), Layout.decode(body[16 * n_in:], size))
-            except ValueError as e:
-                raise PeerFailure(ch.peer, f"sent {e}") from e
-        return theirs
+            magic, size, their_plain, their_in, their_out = _WHERE.unpack(
+                self._recv_exactly(ch, bytearray(_WHERE.size), what))
+            if magic != _WHERE_MAGIC or size != nbytes[i] or their_plain > 1:
+                raise PeerFailure(ch.peer, f"sent a malformed buffer description ({size} bytes) for {collective} "
+                                           f"expecting {nbytes[i]} bytes from it")
+            plain = plain and bool(their_plain)
+            where[i] = (their_in, their_out)
+        return where if plain else None
 
     def _scratch_rows(self, count: int, nbytes: int) -> list[np.ndarray]:
         """``count`` cache-sized rows of scratch, kept between collectives."""
@@ -516,15 +507,14 @@ class ShmCommunicator(Communicator):
         dtype, me = out.dtype, self.rank
         offs = offsets(counts)
         if self._direct(out.nbytes):  # each member reads the others' inputs straight into its output
-            itemsize = dtype.itemsize
-            theirs = self._swap_layouts(Layout.of(inp), Layout.of(inp), [c * itemsize for c in counts],
-                                        "an allgather")
+            where = self._swap_addresses(inp, inp, [c * dtype.itemsize for c in counts], "an allgather")
+            assert where is not None
             self._held = (inp, out)
             place(out[offs[me]:offs[me + 1]], inp)
-            for i, (layout, _) in theirs.items():
+            for i, (their_in, _) in where.items():
                 if counts[i]:
                     part = out[offs[i]:offs[i + 1]]
-                    self._copy(self._cma.read, i, [(part.ctypes.data, part.nbytes)], layout.iovecs(0, part.nbytes))
+                    self._copy(self._cma.read, i, part, their_in, part.nbytes)
             self._signal()  # nobody returns (and frees its input) before every member has read it
             self._held = ()
             return
@@ -554,12 +544,11 @@ class ShmCommunicator(Communicator):
             return
         dtype, me = buf.dtype, self.rank
         if self._direct(buf.nbytes):  # the others read the root's buffer where it lies
-            layout = Layout.of(buf)
-            theirs = self._swap_layouts(layout, layout, [buf.nbytes] * self.size, "a broadcast")
+            where = self._swap_addresses(buf, buf, [buf.nbytes] * self.size, "a broadcast")
+            assert where is not None
             self._held = (buf,)
             if me != root:
-                self._copy(self._cma.read, root, [(buf.ctypes.data, buf.nbytes)],
-                           theirs[root][0].iovecs(0, buf.nbytes))
+                self._copy(self._cma.read, root, buf, where[root][0], buf.nbytes)
             self._signal()  # the root returns once every member has read its buffer
             self._held = ()
             return
@@ -626,22 +615,5 @@ def _peer_pid(sock: socket.socket) -> int:
         return 0
 
 
-def _segments(buf: np.ndarray | Pieces, lo: int, hi: int) -> Sequence[tuple[int, np.ndarray]]:
-    """Views of elements ``[lo, hi)`` of an array or :class:`Pieces`, each with its offset from ``lo``."""
-    return buf.segments(lo, hi) if type(buf) is Pieces else ((0, buf[lo:hi]),)
-
-
-def _side_by_side(a: Sequence[tuple[int, np.ndarray]],
-                  b: Sequence[tuple[int, np.ndarray]]) -> Iterator[tuple[int, np.ndarray, np.ndarray]]:
-    """Two segmentations of one range cut at the union of their boundaries: (offset, view of a, view of b)."""
-    i = j = 0
-    at = 0
-    while i < len(a) and j < len(b):
-        (oa, va), (ob, vb) = a[i], b[j]
-        end = min(oa + va.size, ob + vb.size)
-        yield at, va[at - oa:end - oa], vb[at - ob:end - ob]
-        at = end
-        if end == oa + va.size:
-            i += 1
-        if end == ob + vb.size:
-            j += 1
+def _address(arr: np.ndarray) -> int:
+    return arr.__array_interface__["data"][0]

@@ -1,13 +1,12 @@
 """Cross-memory copies (horovod.transport.cma) and the member-to-member allreduce built on them.
 
-The layout arithmetic and the copies are checked against numpy slicing in one process; the allreduce runs in
-real processes (transport_harness) with buffers of many parts, with a member that refuses, and with a member
-that lies about where its buffer is.
+The copies are checked against numpy slicing in one process; the allreduce runs in real processes
+(transport_harness): plain arrays member to member, a member holding Pieces (every member then goes through the
+segments), a member that refuses, and a member that lies about where its buffer is.
 """
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import os
 import time
@@ -17,54 +16,35 @@ import pytest
 from transport_harness import Ctx, run_ranks
 
 from horovod.transport.buffers import Pieces
-from horovod.transport.cma import Layout, cross_memory
+from horovod.transport.cma import cross_memory
 from horovod.transport.communicator import ReduceOp
 
 pytestmark = pytest.mark.skipif(cross_memory() is None, reason="libc without process_vm_readv")
 
 
-def _parts(rng: np.random.Generator, n: int, cuts: int) -> list[np.ndarray]:
-    return np.split(rng.standard_normal(n).astype(np.float32), sorted(rng.choice(np.arange(1, n), cuts, False)))
-
-
-def test_layout_ranges_match_slicing():
-    rng = np.random.default_rng(0)
-    parts = _parts(rng, 1000, 30)
-    flat = np.concatenate(parts)
-    layout = Layout.of(Pieces(parts, merge=False))
-    assert layout.nbytes == flat.nbytes and len(layout.starts) == 31
-    for lo, hi in [(0, 4000), (4, 8), (396, 3604), (3996, 4000)] + [tuple(sorted(rng.integers(0, 4001, 2)))
-                                                                      for _ in range(50)]:
-        got = b"".join(ctypes.string_at(a, n) for a, n in layout.iovecs(int(lo), int(hi)))
-        assert got == flat.tobytes()[lo:hi]
-    back = Layout.decode(layout.encode(), layout.nbytes)
-    assert (back.starts, back.addrs) == (layout.starts, layout.addrs)
-
-
-def test_layout_refuses_a_strided_buffer():
-    with pytest.raises(ValueError, match="C-contiguous"):
-        Layout.of(np.zeros(10)[::2])
-
-
-@pytest.mark.parametrize("pairs", [[(4, 1)], [(0, 1), (0, 2)], [(0, 1), (8, 2), (4, 3)], [(0, 1), (64, 2)]])
-def test_layout_decode_refuses_disorder(pairs):
-    data = b"".join(int(s).to_bytes(8, "little") + int(a).to_bytes(8, "little") for s, a in pairs)
-    with pytest.raises(ValueError, match="increase"):
-        Layout.decode(data, 64)
+def _ranges(parts: list[np.ndarray], lo: int, hi: int) -> list[tuple[int, int]]:
+    """(address, length) of bytes [lo, hi) of the parts' concatenation."""
+    out, at = [], 0
+    for p in parts:
+        a, b = max(lo, at), min(hi, at + p.nbytes)
+        if b > a:
+            out.append((p.__array_interface__["data"][0] + a - at, b - a))
+        at += p.nbytes
+    return out
 
 
 def test_copies_between_ranges_in_this_process():
     cma = cross_memory()
     rng = np.random.default_rng(1)
-    src = _parts(rng, 5000, 7)
-    dst = [np.zeros(len(p), np.float32) for p in _parts(rng, 5000, 11)]
-    src_l, dst_l = Layout.of(Pieces(src, merge=False)), Layout.of(Pieces(dst, merge=False))
-    cma.read(os.getpid(), dst_l.iovecs(400, 16000), src_l.iovecs(400, 16000))
+    flat = rng.standard_normal(5000).astype(np.float32)
+    src = np.split(flat.copy(), [3, 700, 701, 2500, 4999])
+    dst = [np.zeros(len(p), np.float32) for p in np.split(flat, [1000, 1001, 3333])]
+    cma.read(os.getpid(), _ranges(dst, 400, 16000), _ranges(src, 400, 16000))
     want = np.zeros(5000, np.float32)
-    want[100:4000] = np.concatenate(src)[100:4000]
+    want[100:4000] = flat[100:4000]
     np.testing.assert_array_equal(np.concatenate(dst), want)
-    cma.write(os.getpid(), src_l.iovecs(0, 20000), dst_l.iovecs(0, 20000))
-    np.testing.assert_array_equal(np.concatenate(dst), np.concatenate(src))
+    cma.write(os.getpid(), _ranges(src, 0, 20000), _ranges(dst, 0, 20000))
+    np.testing.assert_array_equal(np.concatenate(dst), flat)
 
 
 def test_copy_failures_raise():
@@ -158,29 +138,30 @@ def _comm(ctx: Ctx, **kwargs):
     return comm
 
 
-def _many_parts(ctx: Ctx) -> dict:
-    """Inputs and outputs of 300 parts (made contiguous first), in place and not, Average's scale."""
-    from horovod.transport import shm
-
+def _plain_and_pieces(ctx: Ctx) -> dict:
+    """Plain arrays in place and not (member to member), then one member holding Pieces (all through the
+    segments); Average's scale."""
     comm = _comm(ctx, direct_min_bytes=1, direct_chunk_bytes=1000)
     calls = []
     real = comm._allreduce_direct
     comm._allreduce_direct = lambda *a: calls.append(1) or real(*a)
     n = 20_000
     inputs = [np.random.default_rng(r).standard_normal(n).astype(np.float32) for r in range(ctx.size)]
-    cuts = np.linspace(0, n, shm._DIRECT_MAX_PARTS + 45).astype(int)[1:-1]
-    outs = [np.full(len(p), np.nan, np.float32) for p in np.split(np.zeros(n), cuts)]
-    comm.allreduce_scaled(Pieces(np.split(inputs[ctx.rank].copy(), cuts), merge=False), Pieces(outs, merge=False),
-                          ReduceOp.SUM, 1 / ctx.size)
+    avg = np.full(n, np.nan, np.float32)
+    comm.allreduce_scaled(inputs[ctx.rank].copy(), avg, ReduceOp.SUM, 1 / ctx.size)
     in_place = inputs[ctx.rank].copy()
     comm.allreduce_scaled(in_place, in_place, ReduceOp.MAX, 1.0)
-    return {"direct": comm._cma is not None and len(calls) == 2, "avg": np.concatenate(outs), "max": in_place,
-            "inputs": inputs}
+    direct_calls = len(calls)
+    mixed = np.full(n, np.nan, np.float32)
+    mine = inputs[ctx.rank].copy()
+    comm.allreduce_scaled(Pieces(np.split(mine, [7, 5000])) if ctx.rank == 1 else mine, mixed, ReduceOp.SUM, 1.0)
+    return {"direct": comm._cma is not None and direct_calls == 2 and len(calls) == 2, "avg": avg,
+            "max": in_place, "sum": mixed, "inputs": inputs}
 
 
 @pytest.mark.parametrize("size", [2, 3])
-def test_member_to_member_with_many_parts(size):
-    res = run_ranks(size, _many_parts, timeout=60)
+def test_member_to_member_and_a_member_with_pieces(size):
+    res = run_ranks(size, _plain_and_pieces, timeout=60)
     inputs = res[0][1]["inputs"]
     total = inputs[0].copy()
     for x in inputs[1:]:
@@ -190,7 +171,9 @@ def test_member_to_member_with_many_parts(size):
         assert status == "ok" and got["direct"]
         np.testing.assert_allclose(got["avg"], total * np.float32(1 / size), rtol=1e-5, atol=1e-6)
         np.testing.assert_array_equal(got["max"], np.max(inputs, axis=0))
-        assert got["avg"].tobytes() == res[0][1]["avg"].tobytes(), "members got different bits"
+        np.testing.assert_allclose(got["sum"], total, rtol=1e-5, atol=1e-6)
+        for key in ("avg", "sum"):
+            assert got[key].tobytes() == res[0][1][key].tobytes(), "members got different bits"
 
 
 def _one_refuses(ctx: Ctx) -> tuple[bool, bool]:
@@ -216,12 +199,12 @@ def test_one_member_refusing_keeps_every_member_on_the_segments():
 
 
 def _liar(ctx: Ctx) -> tuple[str, int, float]:
-    from horovod.transport import cma
+    from horovod.transport import shm
     from horovod.transport.communicator import PeerFailure
 
     comm = _comm(ctx, direct_min_bytes=1)
     if ctx.rank == 1:  # says its buffers are at address 4096, which it has not mapped
-        cma.Layout.of = classmethod(lambda cls, buf: cls([0], [4096], buf.nbytes))
+        shm._address = lambda arr: 4096
     t0 = time.monotonic()
     try:
         x = np.ones(100_000, np.float32)

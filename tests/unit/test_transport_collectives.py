@@ -213,6 +213,7 @@ def test_tcp(size):
 
 def test_subsets():
     _run(3, "shm", ranks=[0, 2])
+    _run(3, "shm-direct", ranks=[0, 2])
     _run(3, "tcp", ranks=[0, 2], disable_shm=True)
 
 

@@ -457,12 +457,10 @@ class ShmCommunicator(Communicator):
 
     def _swap_addresses(self, inp: np.ndarray | None, out: np.ndarray | None, nbytes: list[int],
                         collective: str) -> dict[int, tuple[int, int]] | None:
-        """Send every member where my input and output lie (None: I hold something else than plain arrays);
-        receive theirs, member ``i``'s input checked to be ``nbytes[i]`` long.  None unless every member's
-        buffers are plain arrays -- then nobody copies member to member."""
-        plain = inp is not None and out is not None
-        if plain and not (inp.flags.c_contiguous and out.flags.c_contiguous):
-            raise ValueError("member-to-member copies need C-contiguous buffers")
+        """Send every member where my input and output lie (None, or strided: not plain arrays); receive theirs,
+        member ``i``'s input checked to be ``nbytes[i]`` long.  None unless every member's buffers are plain
+        contiguous arrays: then nobody copies member to member (every member learns the same)."""
+        plain = inp is not None and out is not None and inp.flags.c_contiguous and out.flags.c_contiguous
         msg = _WHERE.pack(_WHERE_MAGIC, nbytes[self.rank], plain, _address(inp) if plain else 0,
                           _address(out) if plain else 0)
         what = "swapping buffer addresses"
@@ -510,9 +508,9 @@ class ShmCommunicator(Communicator):
             return
         dtype, me = out.dtype, self.rank
         offs = offsets(counts)
-        if self._direct(out.nbytes):  # each member reads the others' inputs straight into its output
-            where = self._swap_addresses(inp, inp, [c * dtype.itemsize for c in counts], "an allgather")
-            assert where is not None
+        where = self._swap_addresses(inp, inp, [c * dtype.itemsize for c in counts], "an allgather") \
+            if self._direct(out.nbytes) else None
+        if where is not None:  # each member reads the others' inputs straight into its output
             self._held = (inp, out)
             place(out[offs[me]:offs[me + 1]], inp)
             for i, (their_in, _) in where.items():
@@ -547,9 +545,9 @@ class ShmCommunicator(Communicator):
             self.sockets.broadcast(buf, root)
             return
         dtype, me = buf.dtype, self.rank
-        if self._direct(buf.nbytes):  # the others read the root's buffer where it lies
-            where = self._swap_addresses(buf, buf, [buf.nbytes] * self.size, "a broadcast")
-            assert where is not None
+        where = self._swap_addresses(buf, buf, [buf.nbytes] * self.size, "a broadcast") \
+            if self._direct(buf.nbytes) else None
+        if where is not None:  # the others read the root's buffer where it lies
             self._held = (buf,)
             if me != root:
                 self._copy(self._cma.read, root, buf, where[root][0], buf.nbytes)

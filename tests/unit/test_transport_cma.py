@@ -139,8 +139,8 @@ def _comm(ctx: Ctx, **kwargs):
 
 
 def _plain_and_pieces(ctx: Ctx) -> dict:
-    """Plain arrays in place and not (member to member), then one member holding Pieces (all through the
-    segments); Average's scale."""
+    """Plain arrays in place and not (member to member), then one member holding Pieces or a strided view (all
+    through the segments); Average's scale."""
     comm = _comm(ctx, direct_min_bytes=1, direct_chunk_bytes=1000)
     calls = []
     real = comm._allreduce_direct
@@ -155,8 +155,14 @@ def _plain_and_pieces(ctx: Ctx) -> dict:
     mixed = np.full(n, np.nan, np.float32)
     mine = inputs[ctx.rank].copy()
     comm.allreduce_scaled(Pieces(np.split(mine, [7, 5000])) if ctx.rank == 1 else mine, mixed, ReduceOp.SUM, 1.0)
+    # a strided input on one member: every member through the segments too (allreduce and allgather)
+    strided = np.full(n, np.nan, np.float32)
+    mine = np.repeat(inputs[ctx.rank], 2)[::2] if ctx.rank == 0 else inputs[ctx.rank].copy()
+    comm.allreduce_scaled(mine, strided, ReduceOp.SUM, 1.0)
+    gathered = np.full(n * ctx.size, np.nan, np.float32)
+    comm.allgatherv(mine, gathered, [n] * ctx.size)
     return {"direct": comm._cma is not None and direct_calls == 2 and len(calls) == 2, "avg": avg,
-            "max": in_place, "sum": mixed, "inputs": inputs}
+            "max": in_place, "sum": mixed, "strided": strided, "gathered": gathered, "inputs": inputs}
 
 
 @pytest.mark.parametrize("size", [2, 3])
@@ -172,7 +178,9 @@ def test_member_to_member_and_a_member_with_pieces(size):
         np.testing.assert_allclose(got["avg"], total * np.float32(1 / size), rtol=1e-5, atol=1e-6)
         np.testing.assert_array_equal(got["max"], np.max(inputs, axis=0))
         np.testing.assert_allclose(got["sum"], total, rtol=1e-5, atol=1e-6)
-        for key in ("avg", "sum"):
+        np.testing.assert_allclose(got["strided"], total, rtol=1e-5, atol=1e-6)
+        np.testing.assert_array_equal(got["gathered"], np.concatenate(inputs))
+        for key in ("avg", "sum", "strided"):
             assert got[key].tobytes() == res[0][1][key].tobytes(), "members got different bits"
 
 

@@ -508,7 +508,7 @@ class ShmCommunicator(Communicator):
             return
         dtype, me = out.dtype, self.rank
         offs = offsets(counts)
-        where = self._swap_addresses(inp, inp, [c * dtype.itemsize for c in counts], "an allgather") \
+        where = self._swap_addresses(inp, out, [c * dtype.itemsize for c in counts], "an allgather") \
             if self._direct(out.nbytes) else None
         if where is not None:  # each member reads the others' inputs straight into its output
             self._held = (inp, out)

@@ -33,9 +33,8 @@ one token round ends it: two rounds in all instead of one per piece, and no byte
 10.7 against 14.9 ms on one host).  Only plain arrays: where a member holds :class:`Pieces` (TensorFlow's own
 buffers, or several smaller arrays: the kernel copies them measured slower than the segments' copies, most
 likely its page pinning without numpy's huge pages -- MobileNetV2's 8.8 MB of gradients 4.2-4.6 ms against
-3.8-3.9) every member takes the segments.  Large broadcasts and
-allgathers read the root's / the others' buffers the same way.  Every member keeps its buffers until the
-closing round, so no peer touches freed memory.
+3.8-3.9) every member takes the segments.  Large broadcasts and allgathers read the root's / the others'
+buffers the same way.  Every member keeps its buffers until the closing round, so no peer touches freed memory.
 """
 
 from __future__ import annotations
@@ -259,9 +258,7 @@ class ShmCommunicator(Communicator):
         sleeping member is woken 20-100 us after the token on a VM, and the sender pays for the wake-up too,
         which made a 256 KiB allreduce 3x slower than its copies (0.44 against 0.14 ms, np=2).  The final
         wait is the channel's blocking receive, bounded by its deadline as before."""
-        sock = ch.sock
-
-        n = len(tok)
+        sock, n = ch.sock, len(tok)
 
         def attempt() -> int | None:
             try:
@@ -305,7 +302,14 @@ class ShmCommunicator(Communicator):
                 inp = inp.concatenate(out)
             self.sockets.allreduce_scaled(inp, out, op, scale)
             return
-        self._ready()
+        if self._direct(inp.nbytes):  # maps the segments too
+            plain = type(inp) is np.ndarray and type(out) is np.ndarray
+            where = self._swap_addresses(inp if plain else None, out if plain else None,
+                                         [inp.nbytes] * self.size, "an allreduce")
+            if where is not None:
+                self._allreduce_direct(inp, out, op, scale, where)
+                return
+            # a member holds Pieces (TensorFlow's own buffers): through the segments, where they measured faster
         dtype, size, me = inp.dtype, self.size, self.rank
         region = self.region_bytes // dtype.itemsize
         piece = region * size
@@ -340,14 +344,6 @@ class ShmCommunicator(Communicator):
                         for off, src in segments(lo, hi):
                             copy_into(dst[off:off + src.size], src)
 
-        if self._direct(inp.nbytes):
-            plain = type(inp) is np.ndarray and type(out) is np.ndarray
-            where = self._swap_addresses(inp if plain else None, out if plain else None, [inp.nbytes] * size,
-                                         "an allreduce")
-            if where is not None:
-                self._allreduce_direct(inp, out, op, scale, where)
-                return
-            # a member holds Pieces (TensorFlow's own buffers): through the segments, where they measured faster
         if npieces == 1 and (size == 2 or size * inp.nbytes <= ONE_ROUND_BYTES):
             self._allreduce_one_round(inp, total, dtype, out, op, scale)
             return

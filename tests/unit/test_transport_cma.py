@@ -228,3 +228,24 @@ def test_a_member_lying_about_its_buffer_is_named():
     assert peer == 1 and "cross-memory copy failed" in reason and took < 1.0, res[0][1]
     reason, peer, took = res[1][1]  # the liar itself learns the job failed, within the deadline
     assert peer == 0 and took < 3.0, res[1][1]
+
+
+def _large(ctx: Ctx) -> dict:
+    """A realistic size with the default chunking: 32 MB in place, Average's scale; a 12 MB broadcast."""
+    comm = _comm(ctx)
+    n = 8 << 20
+    x = np.random.default_rng(ctx.rank).standard_normal(n).astype(np.float32)
+    comm.allreduce_scaled(x, x, ReduceOp.SUM, 1 / ctx.size)
+    b = np.arange(3 << 20, dtype=np.float32) if ctx.rank == 1 else np.zeros(3 << 20, np.float32)
+    comm.broadcast(b, 1)
+    return {"direct": comm._cma is not None, "avg": x, "bcast_ok": bool(np.array_equal(b, np.arange(3 << 20)))}
+
+
+def test_member_to_member_at_a_realistic_size_on_four_ranks():
+    res = run_ranks(4, _large, timeout=120)
+    total = sum(np.random.default_rng(r).standard_normal(8 << 20).astype(np.float32) for r in range(4))
+    for r in range(4):
+        status, got, _ = res[r]
+        assert status == "ok" and got["direct"] and got["bcast_ok"]
+        np.testing.assert_allclose(got["avg"], total / 4, rtol=1e-4, atol=1e-5)
+        assert got["avg"].tobytes() == res[0][1]["avg"].tobytes(), "members got different bits"

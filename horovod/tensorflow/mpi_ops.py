@@ -8,6 +8,7 @@ same on every rank because every rank builds the same graph); in eager mode ``na
 
 from __future__ import annotations
 
+import itertools
 import re
 from collections.abc import Sequence
 
@@ -132,17 +133,18 @@ _OWN_BUFFER_BYTES = 64 * 1024
 
 def _flat_allreduce(tensors: list[tf.Tensor], *, op: int, prescale_factor: float, postscale_factor: float,
                     name: str | None, process_set: ProcessSet) -> list[tf.Tensor]:
-    """Graph-mode (grouped) allreduce as *one* flat engine tensor, read from and written into TensorFlow memory.
+    """Graph-mode (grouped) allreduce as *one* flat engine tensor, reduced in place in TensorFlow's memory.
 
     The inputs reach the engine as :class:`~horovod.common.ops.Pieces` of one flat tensor (numpy views of
     TensorFlow's buffers; the shared-memory transport copies and reduces straight from them, so nothing
-    concatenates them first).  The results are written straight into tensors TensorFlow allocated (``Empty``,
-    handed to the submit op as writable views, :func:`_bridge.run_collective`'s ``owned``): every result of
-    64 KiB or more gets its own, so the optimizer's ``lr * grad`` may update it in place as it does locally
-    (TensorFlow never reuses a buffer it did not allocate alone, e.g. one imported through DLPack, and a
-    shared one is never alone); the small ones are 64-byte aligned slices of one more, views rather than
-    copies (:func:`_aligned_layout`).  Every rank builds the same graph, so the single name negotiates as the
-    group did."""
+    concatenates them first), and the results are written back into the same buffers, which the graph then
+    uses as the results (:func:`_bridge.run_collective`'s ``owned``), each one first made private to the
+    collective (:func:`_private`).  In place, every result byte lands where the input byte was just read (in
+    cache): a 21 MB allreduce of Keras gradients took 6.6 ms into fresh buffers, 4.7-5.4 in place
+    (docs/benchmarks.md).  Every result of 64 KiB or more keeps a buffer of its own, so the optimizer's
+    ``lr * grad`` may update it in place as it does locally (TensorFlow never reuses a shared buffer); the small
+    ones are 64-byte aligned slices of one more, views rather than copies (:func:`_aligned_layout`).  Every
+    rank builds the same graph, so the single name negotiates as the group did."""
     dtype = tensors[0].dtype
     shapes = [t.shape for t in tensors]
     sizes = [s.num_elements() for s in shapes]
@@ -156,28 +158,20 @@ def _flat_allreduce(tensors: list[tf.Tensor], *, op: int, prescale_factor: float
     # reach the engine as they are.
     flat_in = [_concat_at(starts, shared_total, [tensors[i] for i in shared])] if shared else []
     flat_in += [tf.reshape(tensors[i], [-1]) for i in own]
-    # Allocated once the inputs exist: an op without inputs runs first thing in a step, which held the results
-    # through the whole forward and backward pass (9 MB more at the peak for MobileNetV2) and left glibc
-    # returning the heap's top to the system after every step, to fault it back in on the next (docs/tensorflow.md).
-    with tf.control_dependencies(flat_in):
-        owned = [tf.raw_ops.Empty(shape=[shared_total], dtype=dtype)] if shared else []
-        owned += [tf.raw_ops.Empty(shape=[sizes[i]], dtype=dtype) for i in own]
-    n_in = len(flat_in)
+    owned = _private(flat_in)
 
     def submit(arrays):
-        parts, outs = arrays[:n_in], arrays[n_in:]
-        pending = [_ops.allreduce(parts[0] if len(parts) == 1 else _ops.Pieces(parts),
-                                  outs[0] if len(outs) == 1 else _ops.Pieces(outs, merge=False),
-                                  name=name, op=op, prescale_factor=prescale_factor,
+        both = arrays[0] if len(arrays) == 1 else _ops.Pieces(arrays, merge=False)
+        pending = [_ops.allreduce(both, both, name=name, op=op, prescale_factor=prescale_factor,
                                   postscale_factor=postscale_factor, process_set=process_set, send_now=True)]
-        del parts, outs, arrays[:]  # from here on only the handle holds the views
+        del both, arrays[:]  # from here on only the handle holds the views
 
         def finish():
             pending.pop().wait()  # and drops it: TensorFlow may now update the results in place
             return []
         return finish
 
-    results = run_collective(submit, flat_in, [], "HorovodAllreduce", owned=owned)
+    results = run_collective(submit, [], [], "HorovodAllreduce", owned=owned)
     out: list = [None] * len(tensors)
     if shared:
         flat = results[0]
@@ -186,6 +180,31 @@ def _flat_allreduce(tensors: list[tf.Tensor], *, op: int, prescale_factor: float
             out[i] = tf.reshape(flat[start:start + sizes[i]], shapes[i])
     for i, r in zip(own, results[1:] if shared else results):
         out[i] = tf.reshape(r, shapes[i])
+    return out
+
+
+_private_ids = itertools.count()
+
+
+def _private(flat: list[tf.Tensor]) -> list[tf.Tensor]:
+    """``flat`` (1-D tensors), each as a buffer no other op reads: the tensor's own buffer when nothing else
+    holds it (a gradient made for this allreduce alone), a copy otherwise (a tensor read elsewhere too, a
+    variable's value, a constant, one tensor given twice).
+
+    ``Snapshot`` makes that choice at run time, from the buffer's reference count.  Two graph rewrites would
+    defeat it, and both are blocked: constant folding replaces ``Snapshot(constant)`` -- also of a
+    ``zeros_like`` Grappler turned into one -- by a constant, which the function reuses on every call (so each
+    Snapshot reads its input through a slice whose start, always 0, comes from ``Timestamp``, which nothing
+    can fold); and common-subexpression elimination merges two Snapshots of one tensor into one buffer
+    reduced twice (so each carries an attribute of its own).  Reading through a slice costs nothing: a slice
+    of all of a tensor is the tensor's buffer."""
+    begin = tf.reshape(tf.minimum(tf.cast(tf.raw_ops.Timestamp(), tf.int64), 0), [1])
+    out = []
+    for t in flat:
+        snap = tf.raw_ops.Snapshot(input=tf.slice(t, begin, [-1]))
+        snap.op._set_attr("_horovod_private", tf.compat.v1.AttrValue(i=next(_private_ids)))
+        snap.set_shape(t.shape)
+        out.append(snap)
     return out
 
 

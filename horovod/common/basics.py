@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from horovod.base.config import read_runtime_config, unknown_variables
 from horovod.base.reduce_ops import ReduceOp
-from horovod.common import bootstrap, logconfig, naming
+from horovod.common import bootstrap, heap, logconfig, naming
 from horovod.runtime.engine import Engine, Topology, check_output_files, engine_core
 from horovod.runtime.messages import Request, RequestType
 
@@ -82,6 +82,8 @@ def init(comm=None, process_sets: Sequence[ProcessSet] | str | None = None) -> N
         mpi = bootstrap.mpi_job(comm) if bootstrap.use_mpi(comm) else None
         topology = bootstrap.topology_from_mpi(mpi) if mpi is not None else bootstrap.topology_from_env()
         logconfig.configure(config.log_level, config.log_hide_time, topology.rank)
+        if config.retain_heap:
+            heap.retain_heap()
         if gen == 1 and topology.rank == 0:  # once per job: every rank has the same environment
             for warning in unknown_variables():
                 log.warning(warning)

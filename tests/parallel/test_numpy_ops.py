@@ -345,6 +345,43 @@ def test_big_fused_group():
         assert_same(out, allreduce_expected([xss[r][i] for r in range(size)], hvd.Average))
 
 
+@pytest.mark.parametrize("op", [hvd.Sum, hvd.Average])
+@pytest.mark.parametrize("dtype", [np.float32, np.int32])
+def test_large_fused_group_reduced_in_its_tensors(op, dtype, monkeypatch):
+    """A fused group of large tensors with outputs goes to shared memory as its tensors (no fusion buffer),
+    some reduced in place, some into outputs of their own, small ones among them; fused with its neighbours
+    (one response), every result against numpy.  Over TCP (no parts) the fusion buffer carries it."""
+    from horovod.common import ops as _ops
+    from horovod.runtime import executor
+    rank, size = rs()
+    decided: list[bool] = []
+    real = executor.Executor._in_parts
+    monkeypatch.setattr(executor.Executor, "_in_parts",
+                        staticmethod(lambda *a: decided.append(real(*a)) or decided[-1]))
+    shapes = [(300, 1024), (7,), (70_000,), (5, 5), (1024, 257), (3,)]
+    for step in range(3):
+        xss = [[data(("parts", step, i, np.dtype(dtype).name), r, s, dtype, low=-50, high=50)
+                for i, s in enumerate(shapes)] for r in range(size)]
+        mine = [x.copy() for x in xss[rank]]
+        outs = [None if i % 2 == 0 else np.full(s, -1, dtype) for i, s in enumerate(shapes)]
+        handles = [hvd.allreduce_async_(x, op=op, name=f"parts.{i}") if out is None else
+                   _ops.allreduce(x, out, op=op, name=f"parts.{i}") for i, (x, out) in enumerate(zip(mine, outs))]
+        for h in handles:
+            h.wait() if hasattr(h, "wait") else hvd.synchronize(h)
+        for i in range(len(shapes)):
+            got = mine[i] if outs[i] is None else outs[i]
+            assert_same(got, allreduce_expected([xss[r][i] for r in range(size)], op))
+            if outs[i] is not None:
+                assert_same(mine[i], xss[rank][i])  # an input with an output of its own is left alone
+    assert decided, "no fused group reached the executor"
+    assert any(decided) == (not hvd.mpi_enabled() and _shared_memory()), decided
+
+
+def _shared_memory() -> bool:
+    import os
+    return os.environ.get("HOROVOD_SHM_DISABLE", "0") in ("0", "")
+
+
 @pytest.mark.skipif(BF16 is None, reason="ml_dtypes not installed")
 def test_bfloat16_average():
     rank, size = rs()

@@ -350,14 +350,17 @@ def test_big_fused_group():
 def test_large_fused_group_reduced_in_its_tensors(op, dtype, monkeypatch):
     """A fused group of large tensors with outputs goes to shared memory as its tensors (no fusion buffer),
     some reduced in place, some into outputs of their own, small ones among them; fused with its neighbours
-    (one response), every result against numpy.  Over TCP (no parts) the fusion buffer carries it."""
+    (one response), every result against numpy.  Over TCP and MPI (no parts) the fusion buffer carries it."""
     from horovod.common import ops as _ops
     from horovod.runtime import executor
     rank, size = rs()
-    decided: list[bool] = []
+    decided: list[tuple[bool, bool]] = []  # (the transport takes parts, the group went as parts)
     real = executor.Executor._in_parts
-    monkeypatch.setattr(executor.Executor, "_in_parts",
-                        staticmethod(lambda *a: decided.append(real(*a)) or decided[-1]))
+
+    def recording(comm, resp, entries):
+        decided.append((comm.takes_pieces, real(comm, resp, entries)))
+        return decided[-1][1]
+    monkeypatch.setattr(executor.Executor, "_in_parts", staticmethod(recording))
     shapes = [(300, 1024), (7,), (70_000,), (5, 5), (1024, 257), (3,)]
     for step in range(3):
         xss = [[data(("parts", step, i, np.dtype(dtype).name), r, s, dtype, low=-50, high=50)
@@ -374,12 +377,7 @@ def test_large_fused_group_reduced_in_its_tensors(op, dtype, monkeypatch):
             if outs[i] is not None:
                 assert_same(mine[i], xss[rank][i])  # an input with an output of its own is left alone
     assert decided, "no fused group reached the executor"
-    assert any(decided) == (not hvd.mpi_enabled() and _shared_memory()), decided
-
-
-def _shared_memory() -> bool:
-    import os
-    return os.environ.get("HOROVOD_SHM_DISABLE", "0") in ("0", "")
+    assert any(parts for _, parts in decided) == any(takes for takes, _ in decided), decided
 
 
 @pytest.mark.skipif(BF16 is None, reason="ml_dtypes not installed")

@@ -275,9 +275,9 @@ KNOBS: tuple[Knob, ...] = (
          None, None, "Let ranks on one host copy large allreduces, broadcasts and allgathers straight between "
          "their buffers (process_vm_readv/writev, probed at start); off: through the shared segments.", None,
          _bool_env),
-    Knob("retain_heap", "HOROVOD_RETAIN_HEAP", parse_bool, True,
+    Knob("retain_heap", "HOROVOD_RETAIN_HEAP", parse_bool, False,
          None, None, "Keep the C heap's memory between training steps instead of glibc handing its top back and "
-         "faulting it in again on the next step (horovod/common/heap.py); off: glibc's defaults.", None,
+         "faulting it in again on the next step (horovod/common/heap.py); off (default): glibc's defaults.", None,
          _bool_env),
     Knob("dynamic_process_sets", "HOROVOD_DYNAMIC_PROCESS_SETS", parse_bool, False,
          None, None, "Allow add_process_set/remove_process_set after init.", None, _bool_env),

@@ -82,7 +82,7 @@ def init(comm=None, process_sets: Sequence[ProcessSet] | str | None = None) -> N
         mpi = bootstrap.mpi_job(comm) if bootstrap.use_mpi(comm) else None
         topology = bootstrap.topology_from_mpi(mpi) if mpi is not None else bootstrap.topology_from_env()
         logconfig.configure(config.log_level, config.log_hide_time, topology.rank)
-        if config.retain_heap:
+        if config.retain_heap:  # opt-in (horovod/common/heap.py)
             heap.retain_heap()
         if gen == 1 and topology.rank == 0:  # once per job: every rank has the same environment
             for warning in unknown_variables():

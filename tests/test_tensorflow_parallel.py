@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PARALLEL = ROOT / "tests" / "parallel"
 FILES = sorted(p.name for p in PARALLEL.glob("test_tensorflow_*.py")) + \
     sorted(p.name for p in PARALLEL.glob("test_keras_*.py"))
-NP3_SUBSET = ("(test_tensorflow_ops and ((allreduce and float32) or process_sets or adasum))"
+NP3_SUBSET = ("(test_tensorflow_ops and ((allreduce and float32) or process_sets or adasum or in_place))"
               " or (test_tensorflow_many_collectives and opposite_orders)")  # (a module's name is a keyword)
 CASES = [(2, tuple(FILES), None), (3, ("test_tensorflow_ops.py", "test_tensorflow_many_collectives.py"), NP3_SUBSET)]
 

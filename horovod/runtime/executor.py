@@ -205,17 +205,14 @@ class Executor:
         parts; 16 x 64 KiB 0.92 against 0.83 ms.  Groups of small tensors keep it (100 x 16 KiB: 1.34 ms
         through the buffer, 1.91 as parts: a Python step per part), as do groups under
         :data:`PARTS_MIN_BYTES` (docs/benchmarks.md)."""
-        if not comm.takes_pieces or resp.prescale != 1.0:
+        if not comm.takes_pieces or resp.prescale != 1.0 or None in entries:
             return False
-        nbytes = large = 0
-        for e in entries:
-            if e is None or e.output is None or type(e.tensor) is not np.ndarray or type(e.output) is not np.ndarray \
-                    or not (e.output.flags.c_contiguous and e.tensor.flags.c_contiguous):
-                return False
-            nbytes += e.tensor.nbytes
-            if e.tensor.nbytes >= MERGE_BELOW:
-                large += e.tensor.nbytes
-        return nbytes >= PARTS_MIN_BYTES and 4 * large >= 3 * nbytes
+        sizes = [e.tensor.nbytes for e in entries]  # type: ignore[union-attr]
+        nbytes = sum(sizes)
+        if nbytes < PARTS_MIN_BYTES or 4 * sum(n for n in sizes if n >= MERGE_BELOW) < 3 * nbytes:
+            return False  # before the per-tensor checks: 100 small tensors cost ~9 us here, not ~33
+        return all(type(e.tensor) is np.ndarray and type(e.output) is np.ndarray  # type: ignore[union-attr]
+                   and e.output.flags.c_contiguous and e.tensor.flags.c_contiguous for e in entries)  # type: ignore[union-attr]
 
     def _adasum(self, comm: Communicator, resp: Response, entries: list[TensorEntry | None],
                 timeline) -> list:

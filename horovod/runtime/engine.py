@@ -225,13 +225,19 @@ class Engine:
         for channel in (mesh.ctrl.values() if mesh is not None else ()):
             self._channels[channel.fileno()] = FrameReader(channel, scratch=scratch)
             self._ctrl.register(channel.fileno(), select.EPOLLIN)
+        # The queue's wake timer (a new entry nobody waits for yet) is watched with the channels: by the engine
+        # thread through ``_ctrl``, which a driving caller takes out of its sleep, and by that caller itself.
+        self.queue.set_delay(self._cycle)
+        self._timer_fd = self.queue.timer_fd
+        if self._timer_fd is not None:
+            self._ctrl.register(self._timer_fd, select.EPOLLIN)
         self._ctrl_fd = self._ctrl.fileno()
         self._idle = select.epoll()
         self._idle.register(self.queue.wake_fd, select.EPOLLIN)
         self._idle.register(self._ctrl_fd, select.EPOLLIN)
         self._drive_poll = select.epoll()  # the channels themselves: its events say which ones to read
         self._drive_poll.register(self.queue.wake_fd, select.EPOLLIN)
-        for fd in self._channels:
+        for fd in (*self._channels, *(() if self._timer_fd is None else (self._timer_fd,))):
             self._drive_poll.register(fd, select.EPOLLIN)
         # Control frames never block their sender (see transport/outbox.py); what waits is sent from the
         # rounds once the channel is writable.
@@ -413,6 +419,8 @@ class Engine:
         for fd, mask in events:
             reader = channels.get(fd)
             if reader is None:
+                if fd == self._timer_fd:
+                    self.queue.timer_fired()  # this round's drain sends what it woke us for
                 continue
             if mask & select.EPOLLOUT:
                 self._outbox.flush(reader.channel.peer)
@@ -906,6 +914,7 @@ class Engine:
 
     def _apply_params(self, params: Params) -> None:
         self._cycle = max(0.0, params.cycle_time_ms) / 1000.0
+        self.queue.set_delay(self._cycle)
         coord = self.coordinator
         if coord is not None:
             coord.fusion_threshold = params.fusion_threshold

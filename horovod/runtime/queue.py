@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from horovod.base.timer import one_shot_timer
 from horovod.runtime.messages import Request
 
 __all__ = ["Handle", "TensorEntry", "TensorQueue"]
@@ -149,10 +150,34 @@ class TensorQueue:
         self._fd_lock = threading.Lock()
         self._signalled = False
         self._byte = False
+        # A new entry nobody waits for yet arms this timer instead of writing the pipe (see base/timer.py):
+        # the engine thread wakes when it expires, unless a caller ran the round meanwhile (drain disarms it).
+        self._timer = one_shot_timer()
+        self._armed = False
 
     @property
     def wake_fd(self) -> int:
         return self._wake_r
+
+    @property
+    def timer_fd(self) -> int | None:
+        """The wake timer's descriptor (readable once it expired), None where there is no timer."""
+        return self._timer.fileno() if self._timer is not None else None
+
+    def set_delay(self, seconds: float) -> None:
+        """How long a new entry may wait before the engine thread is woken for it (the cycle time; 0: at
+        once)."""
+        if self._timer is not None:
+            self._timer.set_delay(seconds)
+
+    def _arm(self) -> bool:
+        """Under ``_lock``: arm the wake timer for a new entry; False where the pipe must wake the engine."""
+        timer = self._timer
+        if timer is None or timer.delay <= 0:
+            return False
+        timer.arm()
+        self._armed = True
+        return True
 
     def push_one(self, entry: TensorEntry, wake: bool = True) -> str | None:
         """:meth:`push` of a single entry (the common case, without the batch bookkeeping).
@@ -169,6 +194,7 @@ class TensorQueue:
             signal = wake and not self._signalled
             if signal:
                 self._signalled = True
+                signal = not self._arm()
         if signal:
             self._poke()
         return None
@@ -187,7 +213,7 @@ class TensorQueue:
             for e in entries:
                 self._in_flight[(e.request.process_set_id, e.request.name)] = e
             self._new.extend(entries)
-            signal = not self._signalled
+            signal = not self._signalled and not self._arm()
             self._signalled = True
         if signal:
             self._poke()
@@ -267,12 +293,20 @@ class TensorQueue:
                 os.read(self._wake_r, 65536)
             except (BlockingIOError, OSError):
                 pass
-        if not self._new and not self._signalled:  # nothing queued: no lock (the common round)
+        if not self._new and not self._signalled and not self._armed:  # nothing queued: no lock (the common round)
             return []
         with self._lock:
             new, self._new = self._new, []
             self._signalled = False
+            if self._armed:  # whoever runs this round sends them: nobody need wake for them any more
+                self._armed = False
+                self._timer.disarm()  # type: ignore[union-attr]
         return new
+
+    def timer_fired(self) -> None:
+        """The wake timer's descriptor was seen readable: consume the expiry (the round drains the entries)."""
+        if self._timer is not None:
+            self._timer.clear()
 
     def pop(self, process_set_id: int, name: str) -> TensorEntry | None:
         with self._lock:
@@ -289,12 +323,17 @@ class TensorQueue:
             entries = list(self._in_flight.values())
             self._in_flight.clear()
             self._new.clear()
+            if self._armed:
+                self._armed = False
+                self._timer.disarm()  # type: ignore[union-attr]
         return entries
 
     def close(self) -> None:
         """Close the wake pipe (idempotent: the descriptors are closed exactly once)."""
         with self._fd_lock:
             fds, self._wake_r, self._wake_w = (self._wake_r, self._wake_w), -1, -1
+            if self._timer is not None:
+                self._timer.close()
         for fd in fds:
             if fd < 0:
                 continue

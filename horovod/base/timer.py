@@ -4,9 +4,9 @@ The engine thread must pick up a tensor enqueued asynchronously within the cycle
 waits for it (a training step still computing).  Waking it at once cost more than the thread's work: on a
 2-vCPU host running two ranks, the woken thread takes a core from a rank that is still enqueueing, and the
 caller usually runs the round itself a moment later anyway (100 x 16 KiB async allreduces at np=2: 1.33 ms
-per step with the wake, 1.10 with this timer).  Arming a timer is one system call that wakes nobody; a caller that starts
-waiting before it expires runs the round itself, which disarms it.  (Arming costs 10-45 us of system time on
-that VM, disarming 10-13: the kernel reprograms its timer; still a sixth of the wake-up.)
+per step with the wake, 1.10 with this timer).  Arming a timer is one system call that wakes nobody; a caller
+that starts waiting before it expires runs the round itself, which disarms it.  (Arming costs 10-45 us of
+system time on that VM, disarming 10-13: the kernel reprograms its timer; still a sixth of the wake-up.)
 """
 
 from __future__ import annotations

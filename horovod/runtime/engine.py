@@ -368,6 +368,7 @@ class Engine:
         wake_fd = self.queue.wake_fd
         poll = self._idle.poll
         parked = False  # a caller runs the rounds, and wakes this thread when it stops if work is left
+        masked = False  # this thread took the control channels out of its own sleep when it parked
         while self._stop_reason is None:
             events = poll(self._beat if parked else self._select_timeout())
             parked = False
@@ -384,11 +385,20 @@ class Engine:
                 # A waiting caller runs the rounds: sleep again rather than wait for its lock, whose release
                 # would wake this thread in the middle of the caller's next op (and often take that op's
                 # rounds from it).  The caller wakes this thread once it stops driving if work is left.
+                # Frames that arrived for the lock's holder to read must not wake this thread meanwhile: it
+                # would spin on them, taking the GIL from the very thread it waits for (seen: a thread that
+                # sent a request and held the lock for ~5 ms while this one woke 50-170 times per step).
+                # Every other holder takes them back into this sleep once it released the lock.
                 self.queue.park()
+                self._idle.modify(self._ctrl_fd, 0)
+                masked = True
                 if not self._drive.acquire(blocking=False):
                     parked = True
                     continue
             try:
+                if masked:
+                    masked = False
+                    self._idle.modify(self._ctrl_fd, select.EPOLLIN)
                 if self._stop_reason is None:
                     self._round()
             finally:
@@ -459,7 +469,7 @@ class Engine:
         try:
             if self._finished or self._stop_reason is not None:
                 return
-            self._idle.modify(self._ctrl_fd, 0)
+            self._idle.modify(self._ctrl_fd, 0)  # back once the lock is released (see _loop)
             try:
                 poll = self._drive_poll.poll
                 wake_fd = self.queue.wake_fd
@@ -493,12 +503,13 @@ class Engine:
                         if fd == wake_fd:
                             self.queue.mark_woken()
             finally:
-                self._idle.modify(self._ctrl_fd, select.EPOLLIN)
                 engine_has_work = self._stop_reason is not None or bool(self._todo) or \
                     self._broken is not None or self._shutdown_requested is not None or \
                     (self.coordinator is not None and self.coordinator.failures_pending)
         finally:
             self._drive.release()
+            if engine_has_work is not None:
+                self._unmask_ctrl()
         # After the release: an engine thread woken before it would go back to sleep (see _loop).
         if engine_has_work:
             self.queue.wake()  # the engine thread has work (or must exit): do not let it sleep
@@ -524,8 +535,19 @@ class Engine:
                 self._coordinate()
         finally:
             self._drive.release()
+            self._unmask_ctrl()
             if self._todo or self._stop_reason is not None:
                 self.queue.wake()
+
+    def _unmask_ctrl(self) -> None:
+        """After releasing ``_drive`` (any thread but the engine's): let control frames wake the engine thread
+        again, which takes them out of its sleep while another thread holds the lock (see :meth:`_loop`).
+        After the release, not before: a parked engine thread masks them before it tries the lock again, so
+        whichever of the two comes last, either it gets the lock or this unmasks."""
+        try:
+            self._idle.modify(self._ctrl_fd, select.EPOLLIN)
+        except (OSError, ValueError):  # closed: the engine has finished
+            pass
 
     def _spin(self, poll) -> list | None:
         """Poll without sleeping for a while before the caller sleeps; the answer's events, or None.

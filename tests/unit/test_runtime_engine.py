@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import select
+import socket
 import threading
 import time
 import types
@@ -290,4 +291,54 @@ def test_engine_thread_sleeps_through_a_burst_its_caller_waits_for():
         time.sleep(0.3)  # past the cycle: a timer left armed would wake the engine thread now
         assert threads and set(threads) == {threading.current_thread().name}
     finally:
+        eng.shutdown()
+
+
+def _watched_events(epoll_fd: int, fd: int) -> int:
+    """The event mask epoll ``epoll_fd`` watches ``fd`` with (Linux: /proc/self/fdinfo)."""
+    with open(f"/proc/self/fdinfo/{epoll_fd}") as f:
+        for line in f:
+            fields = line.split()
+            if fields[:1] == ["tfd:"] and int(fields[1]) == fd:
+                return int(fields[3], 16)
+    raise AssertionError(f"fd {fd} is not watched")
+
+
+def test_engine_thread_sleeps_while_another_thread_holds_the_lock_with_frames_waiting():
+    """A control frame waiting for the thread that holds ``_drive`` (TensorFlow's submit op sending its
+    request, a caller about to drive) wakes the engine thread once, not in a loop: it used to spin 50-170
+    times per training step, taking the GIL from the holder it waited for.  Released, the frames wake it again."""
+    eng = Engine(Topology(0, 1), RuntimeConfig())
+    eng.start()
+    a, b = socket.socketpair()
+    parks = []
+    park = eng.queue.park
+
+    def counted_park():
+        parks.append(time.monotonic())
+        park()
+
+    eng.queue.park = counted_park
+    try:
+        with eng._drive:  # another thread holds the lock ...
+            eng._ctrl.register(a.fileno(), select.EPOLLIN)
+            b.send(b"x")  # ... while a frame waits to be read
+            time.sleep(0.3)
+            eng._ctrl.unregister(a.fileno())  # (this stand-in for a channel is nobody's to read)
+            woke = len(parks)
+            watched = _watched_events(eng._idle.fileno(), eng._ctrl_fd)
+        eng._unmask_ctrl()
+        assert 1 <= woke <= 3, f"the engine thread woke {woke} times"
+        assert not watched & select.EPOLLIN
+        assert _watched_events(eng._idle.fileno(), eng._ctrl_fd) & select.EPOLLIN
+        x = np.arange(3, dtype=np.float32)  # and it still serves an op nobody waits for
+        h = eng.enqueue_one(Request(RequestType.ALLREDUCE, 0, "after", F32, (3,), -1, 1), x, None)
+        began = time.monotonic()
+        while not h.done():
+            assert time.monotonic() - began < 10
+            time.sleep(0.001)
+        assert h.wait().tolist() == x.tolist()
+    finally:
+        a.close()
+        b.close()
         eng.shutdown()

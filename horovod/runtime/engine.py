@@ -684,6 +684,7 @@ class Engine:
 
     def _send_local_requests(self) -> None:
         if self._broken is not None:  # nothing new goes out until the failed collective's cause is known
+            self.queue.consume_wake()  # (new entries fail with it; a pipe left readable would spin the rounds)
             return
         new = self.queue.drain()
         shutdown = None

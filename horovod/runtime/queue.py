@@ -285,14 +285,19 @@ class TensorQueue:
         """The wake pipe was seen readable: the next :meth:`drain` empties it."""
         self._byte = True
 
-    def drain(self) -> list[TensorEntry]:
-        """Entries added since the last call (whoever runs the engine's round)."""
-        if self._byte:  # drain the pipe *before* taking the list, so a concurrent push leaves a byte behind
+    def consume_wake(self) -> None:
+        """Empty the wake pipe once it was seen readable, without taking the entries (a round that sends
+        nothing: a readable pipe left behind would end every sleep at once)."""
+        if self._byte:
             self._byte = False
             try:
                 os.read(self._wake_r, 65536)
             except (BlockingIOError, OSError):
                 pass
+
+    def drain(self) -> list[TensorEntry]:
+        """Entries added since the last call (whoever runs the engine's round)."""
+        self.consume_wake()  # *before* taking the list, so a concurrent push leaves a byte behind
         if not self._new and not self._signalled and not self._armed:  # nothing queued: no lock (the common round)
             return []
         with self._lock:

@@ -342,3 +342,33 @@ def test_engine_thread_sleeps_while_another_thread_holds_the_lock_with_frames_wa
         a.close()
         b.close()
         eng.shutdown()
+
+
+def test_rounds_sleep_while_a_failed_collective_awaits_its_cause():
+    """While a failed collective waits for the coordinator's verdict nothing new is sent, and the wake pipe
+    is still emptied: left readable, it ended every sleep of the driving caller at once (a spin until the
+    verdict came, seconds on a job whose peer died)."""
+    eng = Engine(Topology(0, 1), RuntimeConfig())
+    eng.start()
+    try:
+        h = eng.enqueue_one(Request(RequestType.ALLREDUCE, 0, "warm", F32, (1,), -1, 1), np.ones(1, np.float32),
+                            None, wake=False)
+        h.wait(timeout=10)
+        rounds = []
+        original = eng._round
+
+        def round_(*a, **k):
+            rounds.append(threading.current_thread().name)
+            return original(*a, **k)
+
+        eng._round = round_
+        eng._broken = ("rank 1 failed (test)", time.monotonic(), 1)
+        waiter = TensorEntry(Request(RequestType.ALLREDUCE, 0, "never", F32, (1,)), np.zeros(1, np.float32), None,
+                             eng.queue)
+        eng.queue.wake()  # a wake-up arrives (an enqueue from another thread) while it waits
+        eng._drive_until(waiter, time.monotonic() + 0.3)
+        mine = rounds.count(threading.current_thread().name)
+        assert 1 <= mine <= 6, f"{mine} rounds in 0.3 s"  # one per 0.1 s sleep, not one per poll
+    finally:
+        eng._broken = None
+        eng.shutdown()

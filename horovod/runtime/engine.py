@@ -237,8 +237,10 @@ class Engine:
         self._idle.register(self._ctrl_fd, select.EPOLLIN)
         self._drive_poll = select.epoll()  # the channels themselves: its events say which ones to read
         self._drive_poll.register(self.queue.wake_fd, select.EPOLLIN)
-        for fd in (*self._channels, *(() if self._timer_fd is None else (self._timer_fd,))):
+        for fd in self._channels:
             self._drive_poll.register(fd, select.EPOLLIN)
+        if self._timer_fd is not None:
+            self._drive_poll.register(self._timer_fd, select.EPOLLIN)
         # Control frames never block their sender (see transport/outbox.py); what waits is sent from the
         # rounds once the channel is writable.
         self._outbox = Outbox(mesh.ctrl if mesh is not None else {}, self._watch_writable)
@@ -398,7 +400,7 @@ class Engine:
             try:
                 if masked:
                     masked = False
-                    self._idle.modify(self._ctrl_fd, select.EPOLLIN)
+                    self._unmask_ctrl()
                 if self._stop_reason is None:
                     self._round()
             finally:
@@ -540,8 +542,9 @@ class Engine:
                 self.queue.wake()
 
     def _unmask_ctrl(self) -> None:
-        """After releasing ``_drive`` (any thread but the engine's): let control frames wake the engine thread
-        again, which takes them out of its sleep while another thread holds the lock (see :meth:`_loop`).
+        """After releasing ``_drive`` (or, in the engine thread, on taking it after it parked): let control frames
+        wake the engine thread again, which takes them out of its sleep while another thread holds the lock (see
+        :meth:`_loop`).
         After the release, not before: a parked engine thread masks them before it tries the lock again, so
         whichever of the two comes last, either it gets the lock or this unmasks."""
         try:

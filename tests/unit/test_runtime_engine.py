@@ -147,24 +147,39 @@ def test_no_spin_with_more_local_ranks_than_cores():
             engine.queue.close()
 
 
+def _record_rounds(eng: Engine) -> list[str]:
+    """The names of the threads that run the engine's rounds from now on, one entry per round."""
+    threads: list[str] = []
+    original = eng._round
+
+    def round_(*a, **k):
+        threads.append(threading.current_thread().name)
+        return original(*a, **k)
+
+    eng._round = round_
+    return threads
+
+
+def _wait_polling(handle, limit: float = 10.0):
+    """Poll ``handle`` until it is done (as a caller that never waits does); its result."""
+    began = time.monotonic()
+    while not handle.done():
+        assert time.monotonic() - began < limit, "never served"
+        time.sleep(0.001)
+    return handle.wait()
+
+
 def test_single_rank_engine_runs_rounds_in_the_waiting_thread():
     """With one rank a lone synchronous op never involves the engine thread: the caller runs the round."""
     eng = Engine(Topology(0, 1), RuntimeConfig())
     eng.start()
     try:
-        threads = set()
-        original = eng._round
-
-        def round_(*a, **k):
-            threads.add(threading.current_thread().name)
-            return original(*a, **k)
-
-        eng._round = round_
+        threads = _record_rounds(eng)
         for i in range(20):
             x = np.full(3, float(i), np.float32)
             h = eng.enqueue_one(Request(RequestType.ALLREDUCE, 0, f"x.{i}", F32, (3,), -1, 1), x, None, wake=False)
             assert h.wait(timeout=10).tolist() == [float(i)] * 3
-        assert threads == {threading.current_thread().name}
+        assert set(threads) == {threading.current_thread().name}
         # an error answer reaches the waiting thread the same way
         h = eng.enqueue_one(Request(RequestType.ALLGATHER, 7, "bad set", F32, (3,)), np.zeros(3, np.float32),
                             None)
@@ -244,22 +259,12 @@ def test_engine_thread_serves_an_async_op_nobody_waits_for(cycle_ms):
     eng = Engine(Topology(0, 1), RuntimeConfig(cycle_time_ms=cycle_ms))
     eng.start()
     try:
-        threads = []
-        original = eng._round
-
-        def round_(*a, **k):
-            threads.append(threading.current_thread().name)
-            return original(*a, **k)
-
-        eng._round = round_
+        threads = _record_rounds(eng)
         x = np.arange(4, dtype=np.float32)
         began = time.monotonic()
         h = eng.enqueue_one(Request(RequestType.ALLREDUCE, 0, "polled", F32, (4,), -1, 1), x, None)
-        while not h.done():
-            assert time.monotonic() - began < 10, "never served"
-            time.sleep(0.001)
+        assert _wait_polling(h).tolist() == x.tolist()
         took = time.monotonic() - began
-        assert h.wait().tolist() == x.tolist()
         assert set(threads) == {"horovod-engine"}
         if cycle_ms:
             assert took >= 0.8 * cycle_ms / 1000
@@ -275,14 +280,7 @@ def test_engine_thread_sleeps_through_a_burst_its_caller_waits_for():
     try:
         if eng.queue.timer_fd is None:
             pytest.skip("no timerfd on this platform")
-        threads = []
-        original = eng._round
-
-        def round_(*a, **k):
-            threads.append(threading.current_thread().name)
-            return original(*a, **k)
-
-        eng._round = round_
+        threads = _record_rounds(eng)
         xs = [np.full(5, float(i), np.float32) for i in range(50)]
         for _step in range(3):
             hs = [eng.enqueue_one(Request(RequestType.ALLREDUCE, 0, f"t{i}", F32, (5,), -1, 1), x, None)
@@ -333,11 +331,7 @@ def test_engine_thread_sleeps_while_another_thread_holds_the_lock_with_frames_wa
         assert _watched_events(eng._idle.fileno(), eng._ctrl_fd) & select.EPOLLIN
         x = np.arange(3, dtype=np.float32)  # and it still serves an op nobody waits for
         h = eng.enqueue_one(Request(RequestType.ALLREDUCE, 0, "after", F32, (3,), -1, 1), x, None)
-        began = time.monotonic()
-        while not h.done():
-            assert time.monotonic() - began < 10
-            time.sleep(0.001)
-        assert h.wait().tolist() == x.tolist()
+        assert _wait_polling(h).tolist() == x.tolist()
     finally:
         a.close()
         b.close()
@@ -354,14 +348,7 @@ def test_rounds_sleep_while_a_failed_collective_awaits_its_cause():
         h = eng.enqueue_one(Request(RequestType.ALLREDUCE, 0, "warm", F32, (1,), -1, 1), np.ones(1, np.float32),
                             None, wake=False)
         h.wait(timeout=10)
-        rounds = []
-        original = eng._round
-
-        def round_(*a, **k):
-            rounds.append(threading.current_thread().name)
-            return original(*a, **k)
-
-        eng._round = round_
+        rounds = _record_rounds(eng)
         eng._broken = ("rank 1 failed (test)", time.monotonic(), 1)
         waiter = TensorEntry(Request(RequestType.ALLREDUCE, 0, "never", F32, (1,)), np.zeros(1, np.float32), None,
                              eng.queue)

@@ -66,18 +66,6 @@ def current_generation() -> int | None:
     return _last_generation
 
 
-def _exists(store: Any, key: str) -> bool:
-    from horovod.transport.store import StoreError
-
-    try:
-        store.get(key, timeout=0)
-        return True
-    except StoreError as e:
-        if str(e).startswith("timed out waiting"):
-            return False
-        raise
-
-
 def _read_generation(store: Any) -> tuple[int, float] | None:
     from horovod.transport.store import StoreError
 
@@ -129,7 +117,7 @@ class _AbortableStore:
         if now - self._checked < 0.2:
             return
         self._checked = now
-        if _exists(self._store, self._reset_key):
+        if self._store.exists(self._reset_key):
             raise _GenerationEnded(self._reset_key)
 
     def put(self, key: str, value: bytes) -> None:
@@ -181,7 +169,7 @@ def rendezvous() -> Any:
     while True:
         generation, hosts_ts = _wait_generation(store, _last_generation, deadline)
         _last_generation = generation
-        if _exists(store, f"elastic/reset.{generation}"):
+        if store.exists(f"elastic/reset.{generation}"):
             _leave(store, generation, "joined a generation that was already ending")
             continue
         fields = [int(x) for x in store.get(f"elastic/assign.{generation}/{slot}", timeout=30.0).split(b",")]

@@ -273,20 +273,7 @@ def _wait_for_assignment(client: Any, index: int, deadline: float) -> dict[str, 
 
 
 def _aborted(client: Any) -> bool:
-    return _exists(client, ABORT_KEY)
-
-
-def _exists(client: Any, key: str) -> bool:
-    """Whether ``key`` is in the driver's store (StoreError when the store is unreachable)."""
-    from horovod.transport.store import StoreError
-
-    try:
-        client.get(key, timeout=0)
-        return True
-    except StoreError as e:
-        if str(e).startswith("timed out waiting"):
-            return False
-        raise
+    return client.exists(ABORT_KEY)
 
 
 def _read(path: str) -> bytes | None:
@@ -315,7 +302,7 @@ def task_fn(settings: TaskSettings, index: int, iterator: Iterable[Any]) -> Iter
 
     ctx = BarrierTaskContext.get()
     client = StoreClient(settings.addr, settings.port, settings.key, timeout=30.0, tls=settings.job_tls())
-    if ctx.attemptNumber() > 0 or _exists(client, task_key(index)):
+    if ctx.attemptNumber() > 0 or client.exists(task_key(index)):
         # A rerun (task or barrier stage retried) would join no job: the driver assigns ranks once.
         raise RuntimeError("horovod.spark.run does not retry tasks: the Horovod job already failed in an "
                            "earlier attempt of this task (see the driver's error)")

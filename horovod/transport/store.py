@@ -283,6 +283,13 @@ class StoreClient:
             time.sleep(delay)
             delay = min(delay * 2, 0.2)
 
+    def exists(self, key: str) -> bool:
+        """Whether ``key`` is in the store now (one request, no waiting)."""
+        status, body = self._request("GET", key)
+        if status not in (200, 404):
+            raise StoreError(f"rendezvous store refused GET {key}: HTTP {status} {body[:200]!r}")
+        return status == 200
+
     def delete(self, key: str) -> None:
         status, body = self._request("DELETE", key)
         if status not in (200, 404):
@@ -306,6 +313,10 @@ class InMemoryStore:
             if not self._cond.wait_for(lambda: key in self._data, timeout=timeout):
                 raise StoreError(f"timed out waiting for key {key!r}")
             return self._data[key]
+
+    def exists(self, key: str) -> bool:
+        with self._cond:
+            return key in self._data
 
     def delete(self, key: str) -> None:
         with self._cond:

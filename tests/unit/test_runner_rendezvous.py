@@ -52,6 +52,29 @@ def test_client_roundtrip(server):
         client.get("global/never", timeout=0.05)
 
 
+def test_exists_asks_once_and_never_mistakes_a_refusal_for_absence(server):
+    from horovod.transport.store import InMemoryStore
+
+    client = StoreClient("127.0.0.1", server.port, KEY, timeout=5)
+    start = time.monotonic()
+    assert client.exists("s/flag") is False
+    assert time.monotonic() - start < 1.0  # no waiting for the key, unlike get()
+    server.put("s/flag", b"")
+    assert client.exists("s/flag") is True
+    client.delete("s/flag")
+    assert client.exists("s/flag") is False
+    # A client with the wrong key is refused: that is an error, not "the key is absent" (an elastic worker that
+    # read it as absent would keep training in a generation the driver ended).
+    with pytest.raises(StoreError, match="not signed with this job's key"):
+        StoreClient("127.0.0.1", server.port, b"x" * 32, timeout=5).exists("s/flag")
+    local = InMemoryStore()
+    assert local.exists("s/flag") is False
+    local.put("s/flag", b"1")
+    assert local.exists("s/flag") is True
+    local.delete("s/flag")
+    assert local.exists("s/flag") is False
+
+
 def test_client_waits_for_key(server):
     client = StoreClient("127.0.0.1", server.port, KEY, timeout=5)
     import threading

@@ -120,14 +120,8 @@ def elastic_task_fn(settings: task_mod.TaskSettings, index: int,
                         applied = request.decode()
                         _signal_group(proc, int(applied.split()[-1]))
             finally:
-                if proc.poll() is None:
-                    spawn.terminate_workers([proc])
-                if proc.stdin is not None:
-                    proc.stdin.close()
-            code = proc.wait()
-            for t in readers:
-                t.join(timeout=5)
-            outbox.close()
+                task_mod.stop_worker(proc)
+            code = task_mod.reap_worker(proc, readers, outbox)
             result = task_mod._read(result_file)
             error = task_mod._read(error_file)
         try:

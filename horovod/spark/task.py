@@ -344,14 +344,8 @@ def task_fn(settings: TaskSettings, index: int, iterator: Iterable[Any]) -> Iter
                     spawn.terminate_workers([proc])
                     break
         finally:
-            if proc.poll() is None:  # interrupted (Spark killed this task's thread): leave nothing behind
-                spawn.terminate_workers([proc])
-            if proc.stdin is not None:
-                proc.stdin.close()
-        code = proc.wait()
-        for t in readers:
-            t.join(timeout=5)
-        outbox.close()
+            stop_worker(proc)  # interrupted (Spark killed this task's thread): leave nothing behind
+        code = reap_worker(proc, readers, outbox)
         error = _read(error_file)
         result = _read(result_file)
     if code == 0 and result is None:
@@ -367,6 +361,25 @@ def task_fn(settings: TaskSettings, index: int, iterator: Iterable[Any]) -> Iter
         return
     raise RuntimeError(f"Horovod rank {rank} (Spark task {index}) exited with code {code}"
                        + (f": {why}" if why else ""))
+
+
+def stop_worker(proc: subprocess.Popen) -> None:
+    """End a task's worker if it still runs, and close its stdin (the end of the task's supervision)."""
+    from horovod.runner import spawn
+
+    if proc.poll() is None:
+        spawn.terminate_workers([proc])
+    if proc.stdin is not None:
+        proc.stdin.close()
+
+
+def reap_worker(proc: subprocess.Popen, readers: list[threading.Thread], outbox: Outbox) -> int:
+    """The worker's exit code, once its output has been forwarded to the driver."""
+    code = proc.wait()
+    for t in readers:
+        t.join(timeout=5)
+    outbox.close()
+    return code
 
 
 def _forward(forward_stream: Any, stream: Any, sink: Any, rank: int, name: str, timestamp: bool) -> None:

@@ -79,13 +79,7 @@ class Executor:
         timeline = self.timeline if self.timeline is not None and self.timeline.active else None
         if timeline is None and resp.data is not None and rtype == RequestType.ALLREDUCE:
             # reduced by the coordinator: no communicator, nothing that can fail in the transport
-            results = self._inline_results(resp, entries, dtype_of(resp.dtype))
-            for e, result in zip(entries, results):
-                if e is not None:
-                    e._result = result  # Handle.set_result(result, notify=False), inlined
-                    e._done = True
-            self.queue.completion.notify()
-            return entries
+            return self._complete(entries, self._inline_results(resp, entries, dtype_of(resp.dtype)))
         if timeline is not None:
             for name in resp.names:
                 timeline.begin(name, RequestType(rtype).name)
@@ -116,6 +110,10 @@ class Executor:
                     shape = resp.shapes[i] if i < len(resp.shapes) else ()
                     timeline.end(name, {"dtype": str(dtype_of(resp.dtype)),
                                         "shape": "[" + ", ".join(map(str, shape)) + "]"})
+        return self._complete(entries, results)
+
+    def _complete(self, entries: list[TensorEntry | None], results: list) -> list[TensorEntry | None]:
+        """Hand each entry its result, then wake the waiting callers once for all of them."""
         for e, result in zip(entries, results):
             if e is not None:
                 e._result = result  # Handle.set_result(result, notify=False), inlined

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -90,6 +90,15 @@ def _set_rank(process_set: ProcessSet) -> int:
     return ranks.index(me) if me in ranks else 0
 
 
+def _reduction_submit(one: Callable, many: Callable, grouped: bool, **kwargs) -> Callable:
+    """The submit function of :func:`run_collective` for an allreduce or reducescatter: one engine op per
+    tensor given (``one``), or a group (``many``) that negotiates as a unit."""
+    def submit(arrays):
+        handles = many(arrays, **kwargs) if grouped else [one(arrays[0], **kwargs)]
+        return lambda: [h.wait() for h in handles]
+    return submit
+
+
 # ---------------------------------------------------------------------------------------------- allreduce
 def _grouped_allreduce_raw(tensors: Sequence[tf.Tensor], *, op: int, prescale_factor: float,
                            postscale_factor: float, name: str | None, process_set: ProcessSet,
@@ -100,15 +109,9 @@ def _grouped_allreduce_raw(tensors: Sequence[tf.Tensor], *, op: int, prescale_fa
         return _flat_allreduce(tensors, op=op, prescale_factor=prescale_factor, postscale_factor=postscale_factor,
                                name=name, process_set=process_set)
 
-    def submit(arrays):
-        if grouped:
-            handles = _ops.grouped_allreduce(arrays, name=name, op=op, prescale_factor=prescale_factor,
-                                             postscale_factor=postscale_factor, process_set=process_set)
-        else:
-            handles = [_ops.allreduce(arrays[0], name=name, op=op, prescale_factor=prescale_factor,
-                                      postscale_factor=postscale_factor, process_set=process_set)]
-        return lambda: [h.wait() for h in handles]
-
+    submit = _reduction_submit(_ops.allreduce, _ops.grouped_allreduce, grouped, name=name, op=op,
+                               prescale_factor=prescale_factor, postscale_factor=postscale_factor,
+                               process_set=process_set)
     outs = run_collective(submit, tensors, [t.dtype for t in tensors], "HorovodAllreduce")
     for o, t in zip(outs, tensors):
         o.set_shape(t.shape)
@@ -509,15 +512,9 @@ def alltoall(tensor, splits=None, name: str | None = None, ignore_name_scope: bo
 
 # ---------------------------------------------------------------------------------------------- reducescatter
 def _reducescatter_raw(tensors, *, op, prescale_factor, postscale_factor, name, process_set, grouped):
-    def submit(arrays):
-        if grouped:
-            handles = _ops.grouped_reducescatter(arrays, name=name, op=op, prescale_factor=prescale_factor,
-                                                 postscale_factor=postscale_factor, process_set=process_set)
-        else:
-            handles = [_ops.reducescatter(arrays[0], name=name, op=op, prescale_factor=prescale_factor,
-                                          postscale_factor=postscale_factor, process_set=process_set)]
-        return lambda: [h.wait() for h in handles]
-
+    submit = _reduction_submit(_ops.reducescatter, _ops.grouped_reducescatter, grouped, name=name, op=op,
+                               prescale_factor=prescale_factor, postscale_factor=postscale_factor,
+                               process_set=process_set)
     outs = run_collective(submit, tensors, [t.dtype for t in tensors], "HorovodReducescatter")
     for o, t in zip(outs, tensors):
         if t.shape.rank is not None and t.shape.rank > 0:

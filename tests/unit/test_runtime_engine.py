@@ -198,42 +198,44 @@ def _entry(q: TensorQueue, name: str = "x") -> TensorEntry:
     return TensorEntry(Request(RequestType.ALLREDUCE, 0, name, F32, (1,)), np.zeros(1, np.float32), None, q)
 
 
-def test_async_entry_arms_the_wake_timer_instead_of_the_pipe():
-    """An entry nobody waits for yet wakes the engine thread one cycle later, not at once."""
+@pytest.fixture
+def timed_queue():
+    """A queue whose async entries arm the wake timer (skipped where the platform has no timerfd)."""
     q = TensorQueue()
     try:
         if q.timer_fd is None:
             pytest.skip("no timerfd on this platform (the pipe wakes the engine at once)")
-        q.set_delay(0.05)
-        began = time.monotonic()
-        assert q.push_one(_entry(q, "a")) is None
-        assert q.push_one(_entry(q, "b")) is None  # one timer for the burst
-        assert not _readable(q.wake_fd) and not _readable(q.timer_fd)
-        assert _readable(q.timer_fd, 2.0)
-        assert time.monotonic() - began >= 0.045
-        q.timer_fired()
-        assert [e.name for e in q.drain()] == ["a", "b"]
-        assert not _readable(q.timer_fd) and not _readable(q.wake_fd)
+        yield q
     finally:
         q.close()
 
 
-def test_a_round_that_drains_first_disarms_the_timer():
+def test_async_entry_arms_the_wake_timer_instead_of_the_pipe(timed_queue):
+    """An entry nobody waits for yet wakes the engine thread one cycle later, not at once."""
+    q = timed_queue
+    q.set_delay(0.05)
+    began = time.monotonic()
+    assert q.push_one(_entry(q, "a")) is None
+    assert q.push_one(_entry(q, "b")) is None  # one timer for the burst
+    assert not _readable(q.wake_fd) and not _readable(q.timer_fd)
+    assert _readable(q.timer_fd, 2.0)
+    assert time.monotonic() - began >= 0.045
+    q.timer_fired()
+    assert [e.name for e in q.drain()] == ["a", "b"]
+    assert not _readable(q.timer_fd) and not _readable(q.wake_fd)
+
+
+def test_a_round_that_drains_first_disarms_the_timer(timed_queue):
     """A caller that runs the round before the cycle ends leaves nothing to wake the engine thread for."""
-    q = TensorQueue()
-    try:
-        if q.timer_fd is None:
-            pytest.skip("no timerfd on this platform")
-        q.set_delay(0.03)
-        q.push([_entry(q, "a"), _entry(q, "b")])
-        assert [e.name for e in q.drain()] == ["a", "b"]
-        assert not _readable(q.timer_fd, 0.15)  # never expires
-        q.push_one(_entry(q, "c"))  # the next burst arms it again
-        assert _readable(q.timer_fd, 2.0)
-        q.timer_fired()
-        assert [e.name for e in q.drain()] == ["c"]
-    finally:
-        q.close()
+    q = timed_queue
+    q.set_delay(0.03)
+    q.push([_entry(q, "a"), _entry(q, "b")])
+    assert [e.name for e in q.drain()] == ["a", "b"]
+    assert not _readable(q.timer_fd, 0.15)  # never expires
+    q.push_one(_entry(q, "c"))  # the next burst arms it again
+    assert _readable(q.timer_fd, 2.0)
+    q.timer_fired()
+    assert [e.name for e in q.drain()] == ["c"]
 
 
 @pytest.mark.parametrize("has_timer", [False, True])

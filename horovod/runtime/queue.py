@@ -179,6 +179,12 @@ class TensorQueue:
         self._armed = True
         return True
 
+    def _disarm(self) -> None:
+        """Under ``_lock``: the entries the timer was armed for are taken; it must not wake anybody."""
+        if self._armed:
+            self._armed = False
+            self._timer.disarm()  # type: ignore[union-attr]
+
     def push_one(self, entry: TensorEntry, wake: bool = True) -> str | None:
         """:meth:`push` of a single entry (the common case, without the batch bookkeeping).
 
@@ -303,9 +309,7 @@ class TensorQueue:
         with self._lock:
             new, self._new = self._new, []
             self._signalled = False
-            if self._armed:  # whoever runs this round sends them: nobody need wake for them any more
-                self._armed = False
-                self._timer.disarm()  # type: ignore[union-attr]
+            self._disarm()  # whoever runs this round sends them: nobody need wake for them any more
         return new
 
     def timer_fired(self) -> None:
@@ -328,9 +332,7 @@ class TensorQueue:
             entries = list(self._in_flight.values())
             self._in_flight.clear()
             self._new.clear()
-            if self._armed:
-                self._armed = False
-                self._timer.disarm()  # type: ignore[union-attr]
+            self._disarm()
         return entries
 
     def close(self) -> None:

@@ -380,6 +380,25 @@ def test_large_fused_group_reduced_in_its_tensors(op, dtype, monkeypatch):
     assert any(parts for _, parts in decided) == any(takes for takes, _ in decided), decided
 
 
+@pytest.mark.parametrize("simd", [True, False], ids=["ufunc-loop", "memcpy"])
+@pytest.mark.parametrize("nbytes", [40, 200_000, 3_000_000])
+def test_strided_views(nbytes, simd, monkeypatch):
+    """A strided view (``x[::2]``, a transposed matrix) through every size class (sockets, one shared-memory
+    round, pieces) and both copy loops of ``copy_into`` (hosts differ in which one they pick), against numpy."""
+    from horovod.transport import buffers
+    monkeypatch.setattr(buffers, "_simd_copy", simd)
+    rank, size = rs()
+    n = nbytes // 4
+    xs = [data(("strided", nbytes), r, (2 * n,), np.float32) for r in range(size)]
+    got = hvd.allreduce(xs[rank][::2], op=hvd.Sum, name=f"strided.{nbytes}.{simd}")
+    assert_same(got, allreduce_expected([x[::2] for x in xs], hvd.Sum))
+    mats = [x[:n - n % 8].reshape(8, -1) for x in xs]
+    got = hvd.allreduce(mats[rank].T, op=hvd.Max, name=f"strided.T.{nbytes}.{simd}")
+    assert_same(got, allreduce_expected([m.T for m in mats], hvd.Max))
+    assert_same(hvd.allgather(mats[rank].T), np.concatenate([m.T for m in mats]))
+    assert_same(hvd.broadcast(xs[rank][1::2], root_rank=size - 1), xs[size - 1][1::2])
+
+
 @pytest.mark.skipif(BF16 is None, reason="ml_dtypes not installed")
 def test_bfloat16_average():
     rank, size = rs()

@@ -78,4 +78,13 @@ def test_copy_into_either_loop(monkeypatch, simd):
         buffers.copy_into(dst[3:3 + nbytes], src)  # a destination that is not 8-byte aligned
         np.testing.assert_array_equal(dst[3:3 + nbytes], src)
         assert not dst[:3].any() and not dst[3 + nbytes:].any()
+    for nbytes in (4096 + 4, 100_000):  # strided on either side (a user's x[::2] reaching the segments)
+        wide = rng.standard_normal(nbytes // 2).astype(np.float32)
+        dst = np.zeros(nbytes // 4, np.float32)
+        buffers.copy_into(dst, wide[::2])
+        np.testing.assert_array_equal(dst, wide[::2])
+        back = np.zeros(nbytes // 2, np.float32)
+        buffers.copy_into(back[1::2], dst)
+        np.testing.assert_array_equal(back[1::2], dst)
+        assert not back[::2].any()
     assert isinstance(buffers.simd_copy_faster(), bool)

@@ -60,7 +60,10 @@ def _set_id(process_set: ProcessSet, rtype: int) -> tuple[int, list[int]]:
 
 
 def _array(tensor) -> np.ndarray:
-    return tensor if type(tensor) is np.ndarray else np.asarray(tensor)
+    """The input as a C-contiguous array: a strided view (``x[::2]``, ``m.T``) is copied once here, since every
+    data plane reads and sends flat bytes (mpi4py and the sockets refuse strided buffers)."""
+    arr = tensor if type(tensor) is np.ndarray else np.asarray(tensor)
+    return arr if arr.flags.c_contiguous else np.ascontiguousarray(arr)
 
 
 def _enqueue(items: list[tuple[Request, np.ndarray | None, np.ndarray | None]]) -> list[Handle]:
@@ -97,7 +100,7 @@ def allreduce(tensor, output: np.ndarray | None = None, *, name: str | None = No
     ``wake=False`` when the caller calls ``wait()`` right away: the waiting thread runs the engine's round
     itself, so waking the engine thread would only cost a thread hand-over.  ``send_now=True`` when another
     thread waits for it: the request leaves from this thread at once (see ``Engine._send_now``)."""
-    arr = tensor if type(tensor) is np.ndarray or type(tensor) is Pieces else np.asarray(tensor)
+    arr = tensor if type(tensor) is Pieces else _array(tensor)
     if op not in _PLAIN_OPS:
         _check_op(op, RequestType.ALLREDUCE)
         if op == ReduceOp.ADASUM:

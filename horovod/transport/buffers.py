@@ -62,7 +62,7 @@ def simd_copy_faster() -> bool:
 
 def copy_into(dst: np.ndarray, src: np.ndarray) -> None:
     """``dst[:] = src`` for 1-D arrays of one dtype, by the faster of two copy loops (the ufunc loop only
-    between contiguous ones: a strided view, e.g. a user's ``x[::2]``, takes ``np.copyto``)."""
+    between contiguous ones: a strided view, which the shared-memory communicator accepts, takes ``np.copyto``)."""
     nbytes = src.nbytes
     if nbytes >= MEMCPY_MIN or nbytes < 64 or not (_simd_copy if _simd_copy is not None else simd_copy_faster()) \
             or not (src.flags.c_contiguous and dst.flags.c_contiguous):

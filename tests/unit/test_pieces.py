@@ -78,7 +78,7 @@ def test_copy_into_either_loop(monkeypatch, simd):
         buffers.copy_into(dst[3:3 + nbytes], src)  # a destination that is not 8-byte aligned
         np.testing.assert_array_equal(dst[3:3 + nbytes], src)
         assert not dst[:3].any() and not dst[3 + nbytes:].any()
-    for nbytes in (4096 + 4, 100_000):  # strided on either side (a user's x[::2] reaching the segments)
+    for nbytes in (4096 + 4, 100_000):  # strided on either side (as the shm communicator may get)
         wide = rng.standard_normal(nbytes // 2).astype(np.float32)
         dst = np.zeros(nbytes // 4, np.float32)
         buffers.copy_into(dst, wide[::2])

@@ -174,7 +174,15 @@ def paired_worker(args, tf, keras, np, hvd) -> None:
                                    "local_steps_s": local_steps[0::2].tolist(),
                                    "sync_step_s": float(local_steps[1::2].max()),
                                    "local_cpu_s": statistics.median(cpu["local"]),
-                                   "dist_cpu_s": statistics.median(cpu["dist"])}), flush=True)
+                                   "dist_cpu_s": statistics.median(cpu["dist"]),
+                                   "shm_region_bytes": shm_region_bytes()}), flush=True)
+
+
+def shm_region_bytes() -> int | None:
+    """The region size the job's shared-memory allreduces kept (horovod/transport/shm_regions.py)."""
+    from horovod.common.basics import engine
+
+    return getattr(engine()._comms.get(0), "large_region_bytes", None)
 
 
 def launch(np_: int, args, paired: bool = False) -> dict:
@@ -186,6 +194,7 @@ def launch(np_: int, args, paired: bool = False) -> dict:
         cmd = [sys.executable, "-m", "horovod.runner", "-np", str(np_)] + cmd
     env = {k: v for k, v in os.environ.items() if not k.startswith("HOROVOD_")}
     env.update(PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2", OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    env.update(kv.split("=", 1) for kv in args.env)
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
     for line in out.stdout.splitlines():
         if RESULT in line:
@@ -205,6 +214,9 @@ def main() -> None:
     parser.add_argument("--separate", action="store_true", help="separate np=1 and np=N launches")
     parser.add_argument("--paired", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--fp16", action="store_true", help="fp16 gradient compression")
+    parser.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+                        help="a knob for the ranks, e.g. HOROVOD_SHM_REGION_BYTES=2097152 (repeatable; the "
+                             "caller's HOROVOD_* variables are not passed on)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -224,7 +236,8 @@ def main() -> None:
         print(f"scaling efficiency: {r['efficiency']:.3f}  (rank 0's plain step; the ranks' own plain steps "
               f"{' / '.join(f'{t * 1e3:.1f}' for t in r['local_steps_s'])} ms; synchronous with a free gradient "
               f"allreduce: {r['sync_step_s'] * 1e3:.1f} ms, efficiency {r['local_step_s'] / r['sync_step_s']:.3f}; "
-              f"np={args.np} / synchronous bound: {r['sync_step_s'] / r['dist_step_s']:.3f})")
+              f"np={args.np} / synchronous bound: {r['sync_step_s'] / r['dist_step_s']:.3f}; shared-memory "
+              f"regions kept: {r['shm_region_bytes']} bytes)")
         print(json.dumps({"benchmark": "keras_training", "mode": "paired", "fp16": args.fp16, **r}))
         return
     single, multi = [], []

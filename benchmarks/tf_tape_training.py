@@ -38,6 +38,8 @@ import subprocess
 import sys
 import time
 
+from keras_training import shm_region_bytes  # benchmarks/, the script's directory
+
 RESULT = "RESULT "
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -137,7 +139,8 @@ def worker(args: argparse.Namespace) -> None:
                                        "local_faults": every[:, 5].tolist(), "dist_faults": every[:, 6].tolist(),
                                        "local_cpu_s": every[0, 2], "dist_cpu_s": every[0, 3],
                                        "tensors": len(model.trainable_variables), "params": model.count_params(),
-                                       "load": os.getloadavg()[0]}), flush=True)
+                                       "load": os.getloadavg()[0],
+                                       "shm_region_bytes": shm_region_bytes()}), flush=True)
         return
     step, model = make_step("dist" if args.horovod else "local")
     times_ = timed(step, args.warmup + args.steps)[args.warmup:]
@@ -146,9 +149,10 @@ def worker(args: argparse.Namespace) -> None:
                                    "params": model.count_params()}), flush=True)
 
 
-def _env(threads: int) -> dict[str, str]:
+def _env(threads: int, knobs: list[str]) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("HOROVOD_") and k != "OMP_NUM_THREADS"}
     env.update(PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2", CUDA_VISIBLE_DEVICES="")
+    env.update(kv.split("=", 1) for kv in knobs)
     if threads:
         env["OMP_NUM_THREADS"] = str(threads)
     return env
@@ -172,7 +176,8 @@ def _start(args: argparse.Namespace, extra: list[str], horovod: bool) -> subproc
            str(args.block), "--threads", str(args.threads), *(["--pin"] if args.pin else []), *extra]
     if horovod:
         cmd = [sys.executable, "-m", "horovod.runner", "-np", "2", *cmd]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(args.threads))
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=_env(args.threads, args.env))
 
 
 def one_round(args: argparse.Namespace) -> dict:
@@ -212,7 +217,8 @@ def paired(args: argparse.Namespace) -> None:
         f"rank {i} {a:.0f} / {b:.0f}" for i, (a, b) in enumerate(zip(r["local_faults"], r["dist_faults"]))))
     print(f"np=2 / two concurrent single processes: {np2 / bound:.3f}  (synchronous with a free gradient "
           f"allreduce: {sync / bound:.3f}; the i-th plain steps' longer one: {lockstep / bound:.3f}; "
-          f"np=2 / synchronous bound: {np2 / sync:.3f})")
+          f"np=2 / synchronous bound: {np2 / sync:.3f}; shared-memory regions kept: {r['shm_region_bytes']} "
+          "bytes)")
     print(json.dumps({"benchmark": "tf_tape_training", "mode": "paired", "batch": args.batch, "ratio": np2 / bound,
                       "lockstep_ratio": lockstep / bound, "sync_ratio": sync / bound,
                       "bound_samples_per_s": bound, "np_samples_per_s": np2,
@@ -235,6 +241,9 @@ def main() -> None:
     parser.add_argument("--separate", action="store_true", help="separate launches instead of paired blocks")
     parser.add_argument("--pin", action="store_true", help="each process on a core of its own (rank, or the "
                         "single process's index, modulo the cores it may use), as mpirun binds at np <= 2")
+    parser.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+                        help="a knob for the ranks, e.g. HOROVOD_SHM_REGION_BYTES=2097152 (repeatable; the "
+                             "caller's HOROVOD_* variables are not passed on)")
     parser.add_argument("--paired", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--horovod", action="store_true", help=argparse.SUPPRESS)

@@ -166,6 +166,14 @@ def _unit_interval(name: str, text: str) -> float:
     return value
 
 
+def _region_bytes(name: str, text: str) -> int:
+    """0 (measure) or a byte count in [4 KiB, 16 MiB] (each rank's part of a shared-memory piece)."""
+    value = parse_int(name, text, minimum=None, what="a whole number of bytes")
+    if value != 0 and not 4096 <= value <= 16 * MIB:
+        raise EnvVarError(name, text, "must be 0 (measure the best) or between 4096 and 16777216 bytes")
+    return value
+
+
 
 # ---------------------------------------------------------------------------------------------- knob table
 @dataclasses.dataclass(frozen=True)
@@ -275,6 +283,11 @@ KNOBS: tuple[Knob, ...] = (
          None, None, "Let ranks on one host copy large allreduces, broadcasts and allgathers straight between "
          "their buffers (process_vm_readv/writev, probed at start); off: through the shared segments.", None,
          _bool_env),
+    # 0 = measured per job (horovod/transport/shm_regions.py); bounded so that the segments stay a few MiB each.
+    Knob("shm_region_bytes", "HOROVOD_SHM_REGION_BYTES",
+         _region_bytes, 0,
+         None, None, "Bytes of each rank's part of a shared-memory piece in large allreduces; 0 (default): "
+         "the job measures 1 MiB and 2 MiB on its first large allreduces and keeps the faster.", None),
     Knob("retain_heap", "HOROVOD_RETAIN_HEAP", parse_bool, False,
          None, None, "Keep the C heap's memory between training steps instead of glibc handing its top back and "
          "faulting it in again on the next step (horovod/common/heap.py); off (default): glibc's defaults.", None,

@@ -12,9 +12,12 @@ __all__ = ["scale_inplace", "scaled_copy"]
 
 
 def _factor_for(dtype: np.dtype, factor: float):
-    if dtype.kind in "iu":
+    kind = dtype.kind
+    if kind in "iu":
         return np.float64(factor)
-    if dtype.itemsize <= 2 and dtype.kind in "fV" or dtype.name == "bfloat16":
+    if kind == "f" and dtype.itemsize > 2:  # float32/64 first: dtype.name costs ~20 us a call
+        return dtype.type(factor)
+    if dtype.itemsize <= 2 and kind in "fV" or dtype.name == "bfloat16":
         return np.float32(factor)
     return dtype.type(factor)
 

@@ -45,6 +45,8 @@ import mmap
 import os
 import socket
 import struct
+import time
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -57,17 +59,21 @@ from horovod.transport.cma import CrossMemory, allow_peers, cross_memory
 from horovod.transport.communicator import Communicator, PeerFailure, ReduceOp, reduce_into
 from horovod.transport.mesh import Mesh
 from horovod.transport.scaling import scale_inplace
+from horovod.transport.shm_regions import RegionTrial
 from horovod.transport.tcp import TcpCommunicator
 from horovod.transport.wire import Channel
 
-__all__ = ["ShmCommunicator", "REGION_BYTES", "MAX_PIECE_BYTES", "ONE_ROUND_BYTES", "SMALL_BYTES"]
+__all__ = ["ShmCommunicator", "REGION_BYTES", "REGION_CHOICES", "MAX_PIECE_BYTES", "ONE_ROUND_BYTES",
+           "SMALL_BYTES"]
 
 logger = logging.getLogger(__name__)
 
 # A member's region of a piece: 1 MiB measured best at np=2 and np=4 on a 1 MiB-L2 host (21 MB allreduce:
 # 3.35 ms of CPU against 4.2 with 512 KiB regions; each piece costs one token round, i.e. a wake-up per
-# member); a piece is one region per member, at most MAX_PIECE_BYTES (segments are two pieces).
+# member); a piece is one region per member, at most MAX_PIECE_BYTES (segments are two pieces).  Large
+# allreduces also try REGION_CHOICES on this host and keep the faster (horovod/transport/shm_regions.py).
 REGION_BYTES = 1024 * 1024
+REGION_CHOICES = (REGION_BYTES, 2 * REGION_BYTES)
 MAX_PIECE_BYTES = 8 * 1024 * 1024
 # Beyond two members a one-piece allreduce takes one token round while size x bytes (what each member then
 # reads) stays within this; two members always do (as many bytes moved as the owner scheme).
@@ -93,6 +99,9 @@ class ShmCommunicator(Communicator):
     Args:
         piece_bytes: bytes of one slot (the unit of pipelining); segments are ``2 * piece_bytes``.
             Default: :data:`REGION_BYTES` per member, at most :data:`MAX_PIECE_BYTES`.
+        regions: region sizes large allreduces try, the default first (:class:`RegionTrial`); default
+            ``HOROVOD_SHM_REGION_BYTES`` if set, else those of :data:`REGION_CHOICES` whose piece fits
+            :data:`MAX_PIECE_BYTES`; with ``piece_bytes`` given, that piece's region only.
         small_bytes: allreduce/allgather/broadcast at or below this go over the sockets.
         cross_memory: let large allreduces, broadcasts and allgathers copy member to member (default:
             ``HOROVOD_SHM_CROSS_MEMORY``); used only where every member's probe succeeds.
@@ -102,7 +111,8 @@ class ShmCommunicator(Communicator):
     """
 
     def __init__(self, mesh: Mesh, ranks: list[int], config: RuntimeConfig, *,
-                 piece_bytes: int | None = None, small_bytes: int = SMALL_BYTES,
+                 piece_bytes: int | None = None, regions: Sequence[int] | None = None,
+                 small_bytes: int = SMALL_BYTES,
                  cross_memory: bool | None = None, direct_min_bytes: int = DIRECT_MIN_BYTES,
                  direct_chunk_bytes: int = DIRECT_CHUNK_BYTES) -> None:
         self.sockets = TcpCommunicator(mesh, ranks, config)
@@ -113,13 +123,18 @@ class ShmCommunicator(Communicator):
                 raise ValueError(f"rank {self.ranks[i]} is not connected over AF_UNIX; shared memory needs "
                                  "every member on this host and a mesh built with shm enabled")
         self.small_bytes = small_bytes
-        if piece_bytes is None:
-            piece_bytes = min(MAX_PIECE_BYTES, REGION_BYTES * self.size)
-        self.region_bytes = max(_ALIGN, piece_bytes // self.size // _ALIGN * _ALIGN)
+        if regions is None:
+            regions = _default_regions(self.size, piece_bytes, config.shm_region_bytes)
+        regions = [max(_ALIGN, r // _ALIGN * _ALIGN) for r in regions]
+        # region_bytes / slot_bytes: the default piece (small allreduces, allgather, broadcast,
+        # reducescatter); large allreduces use large_region_bytes, which the trial may change.
+        self.regions = tuple(regions)
+        self.region_bytes = self.large_region_bytes = regions[0]
         self.slot_bytes = self.region_bytes * self.size
+        self._trial = RegionTrial(regions, 2 * max(regions) * self.size) if len(regions) > 1 else None
         # Slots (and members' segments) start at staggered offsets so that the streams one reduction
         # touches do not all map to the same cache sets (power-of-two strides measured 2x slower).
-        self._stride = self.slot_bytes + _STAGGER
+        self._stride = max(regions) * self.size + _STAGGER
         self._segs: list[np.ndarray] | None = None
         self._maps: list[mmap.mmap] = []
         self._parity = 0
@@ -148,17 +163,24 @@ class ShmCommunicator(Communicator):
             maps: dict[int, mmap.mmap] = {self.rank: mmap.mmap(fd, size)}
             mine = np.frombuffer(maps[self.rank], np.uint8)
             for ch in self.peers.values():
-                ch.send_fd(_FD_FRAME, fd, struct.pack("<QQ", size, mine.__array_interface__["data"][0]))
+                ch.send_fd(_FD_FRAME, fd, struct.pack(f"<QQ{len(self.regions)}Q", size,
+                                                      mine.__array_interface__["data"][0], *self.regions))
         finally:
             os.close(fd)
         where: dict[int, int] = {}
         for i, ch in self.peers.items():
             peer_fd, payload = ch.recv_fd(_FD_FRAME)
             try:
-                if len(payload) != 16 or struct.unpack("<Q", payload[:8])[0] != size \
+                theirs = struct.unpack(f"<{(len(payload) - 16) // 8}Q", payload[16:]) \
+                    if len(payload) >= 24 and len(payload) % 8 == 0 else None
+                if theirs is not None and theirs != self.regions:
+                    raise WireError(f"rank {ch.peer} divides shared-memory allreduces into regions of {list(theirs)} "
+                                    f"bytes, this rank into {list(self.regions)}: HOROVOD_SHM_REGION_BYTES must be "
+                                    "the same on every rank")
+                if theirs is None or struct.unpack("<Q", payload[:8])[0] != size \
                         or os.fstat(peer_fd).st_size != size:
                     raise WireError(f"rank {ch.peer} sent a segment of the wrong size")
-                where[i] = struct.unpack("<Q", payload[8:])[0]
+                where[i] = struct.unpack("<Q", payload[8:16])[0]
                 maps[i] = mmap.mmap(peer_fd, size)
             finally:
                 os.close(peer_fd)
@@ -209,10 +231,11 @@ class ShmCommunicator(Communicator):
             self._pids = {}
         return cma
 
-    def _region(self, member: int, slot: int, region: int, dtype: np.dtype, count: int) -> np.ndarray:
+    def _region(self, member: int, slot: int, region: int, dtype: np.dtype, count: int,
+                region_bytes: int | None = None) -> np.ndarray:
         segs = self._segs
         assert segs is not None
-        start = _STAGGER * member + slot * self._stride + region * self.region_bytes
+        start = _STAGGER * member + slot * self._stride + region * (region_bytes or self.region_bytes)
         return segs[member][start:start + count * dtype.itemsize].view(dtype)
 
     def _ready(self) -> None:
@@ -311,7 +334,14 @@ class ShmCommunicator(Communicator):
                 return
             # a member holds Pieces (TensorFlow's own buffers): through the segments, where they measured faster
         dtype, size, me = inp.dtype, self.size, self.rank
-        region = self.region_bytes // dtype.itemsize
+        if inp.nbytes <= self.slot_bytes and (size == 2 or size * inp.nbytes <= ONE_ROUND_BYTES):
+            self._allreduce_one_round(inp, inp.size, dtype, out, op, scale)
+            return
+        trial = self._trial
+        region_bytes = trial.region_for(inp.nbytes) if trial is not None else None
+        timed = region_bytes is not None
+        region_bytes = region_bytes or self.large_region_bytes
+        region = region_bytes // dtype.itemsize
         piece = region * size
         total = inp.size
         npieces = -(-total // piece)
@@ -340,23 +370,21 @@ class ShmCommunicator(Communicator):
                 if i != me:
                     lo, hi = part(k, i)
                     if hi > lo:
-                        dst = self._region(me, slot, i, dtype, hi - lo)
+                        dst = self._region(me, slot, i, dtype, hi - lo, region_bytes)
                         for off, src in segments(lo, hi):
                             copy_into(dst[off:off + src.size], src)
 
-        if npieces == 1 and (size == 2 or size * inp.nbytes <= ONE_ROUND_BYTES):
-            self._allreduce_one_round(inp, total, dtype, out, op, scale)
-            return
-
         copy_in(0)
         self._signal()
+        start = time.perf_counter()  # the members are together from here: what the region size changes
         for k in range(npieces):
             slot = (base_slot + k) & 1
             lo, hi = part(k, me)
             if hi > lo:
                 n = hi - lo
-                dst = self._region(me, slot, me, dtype, n)
-                theirs = [None if i == me else self._region(i, slot, me, dtype, n) for i in range(size)]
+                dst = self._region(me, slot, me, dtype, n, region_bytes)
+                theirs = [None if i == me else self._region(i, slot, me, dtype, n, region_bytes)
+                          for i in range(size)]
                 for off, mine in segments(lo, hi):  # one segment unless the input is Pieces
                     m = mine.size
                     srcs = [mine if i == me else theirs[i][off:off + m] for i in range(size)]
@@ -373,8 +401,28 @@ class ShmCommunicator(Communicator):
                 if i != me:
                     plo, phi = part(k, i)
                     if phi > plo:
-                        put(plo, self._region(i, slot, i, dtype, phi - plo))
+                        put(plo, self._region(i, slot, i, dtype, phi - plo, region_bytes))
         self._parity = (base_slot + npieces) & 1
+        if timed:
+            self._timed(region_bytes, time.perf_counter() - start, inp.nbytes)
+
+    def _timed(self, region_bytes: int, seconds: float, nbytes: int) -> None:
+        """Record one allreduce of the region trial; once it is complete, every member keeps the same region
+        (each gets every member's medians and adds them in the same order)."""
+        trial = self._trial
+        assert trial is not None
+        trial.record(region_bytes, seconds, nbytes)
+        if not trial.complete:
+            return
+        mine = trial.medians()
+        everyone = np.empty(mine.size * self.size, np.float64)
+        self.sockets.allgatherv(mine, everyone, [mine.size] * self.size)
+        summed = everyone.reshape(self.size, mine.size).sum(axis=0)
+        self.large_region_bytes = trial.choose(summed)
+        self._trial = None
+        logger.info("shm %s: large allreduces in regions of %d KiB (tried %s KiB: %s ns per MB, all members)",
+                    self.ranks, self.large_region_bytes // 1024, [c // 1024 for c in trial.candidates],
+                    [round(t * 1e15) for t in summed])
 
     def _allreduce_one_round(self, inp: np.ndarray | Pieces, total: int, dtype: np.dtype,
                              out: np.ndarray | Pieces, op: ReduceOp, scale: float) -> None:
@@ -615,3 +663,12 @@ def _peer_pid(sock: socket.socket) -> int:
 
 def _address(arr: np.ndarray) -> int:
     return arr.__array_interface__["data"][0]
+
+
+def _default_regions(size: int, piece_bytes: int | None, configured: int) -> list[int]:
+    """Region sizes a communicator of ``size`` members tries (see ``ShmCommunicator``'s ``regions``)."""
+    if piece_bytes is not None:
+        return [piece_bytes // size]
+    if configured:
+        return [configured]
+    return [r for r in REGION_CHOICES if r * size <= MAX_PIECE_BYTES] or [MAX_PIECE_BYTES // size]

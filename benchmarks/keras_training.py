@@ -179,7 +179,7 @@ def paired_worker(args, tf, keras, np, hvd) -> None:
 
 
 def shm_region_bytes() -> int | None:
-    """The region size the job's shared-memory allreduces kept (horovod/transport/shm_regions.py)."""
+    """The region size the job's shared-memory allreduces kept (horovod/transport/shm_trials.py)."""
     from horovod.common.basics import engine
 
     return getattr(engine()._comms.get(0), "large_region_bytes", None)

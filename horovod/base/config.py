@@ -281,9 +281,10 @@ KNOBS: tuple[Knob, ...] = (
          _bool_env),
     Knob("shm_cross_memory", "HOROVOD_SHM_CROSS_MEMORY", parse_bool, True,
          None, None, "Let ranks on one host copy large allreduces, broadcasts and allgathers straight between "
-         "their buffers (process_vm_readv/writev, probed at start); off: through the shared segments.", None,
+         "their buffers (process_vm_readv/writev, probed at start; allreduces keep it per size class where it measured "
+         "faster than the segments); off: through the shared segments.", None,
          _bool_env),
-    # 0 = measured per job (horovod/transport/shm_regions.py); bounded so that the segments stay a few MiB each.
+    # 0 = measured per job (horovod/transport/shm_trials.py); bounded so that the segments stay a few MiB each.
     Knob("shm_region_bytes", "HOROVOD_SHM_REGION_BYTES",
          _region_bytes, 0,
          None, None, "Bytes of each rank's part of a shared-memory piece in large allreduces; 0 (default): "

@@ -59,7 +59,7 @@ from horovod.transport.cma import CrossMemory, allow_peers, cross_memory
 from horovod.transport.communicator import Communicator, PeerFailure, ReduceOp, reduce_into
 from horovod.transport.mesh import Mesh
 from horovod.transport.scaling import scale_inplace
-from horovod.transport.shm_regions import RegionTrial
+from horovod.transport.shm_trials import Trial
 from horovod.transport.tcp import TcpCommunicator
 from horovod.transport.wire import Channel
 
@@ -71,7 +71,7 @@ logger = logging.getLogger(__name__)
 # A member's region of a piece: 1 MiB measured best at np=2 and np=4 on a 1 MiB-L2 host (21 MB allreduce:
 # 3.35 ms of CPU against 4.2 with 512 KiB regions; each piece costs one token round, i.e. a wake-up per
 # member); a piece is one region per member, at most MAX_PIECE_BYTES (segments are two pieces).  Large
-# allreduces also try REGION_CHOICES on this host and keep the faster (horovod/transport/shm_regions.py).
+# allreduces also try REGION_CHOICES on this host and keep the faster (horovod/transport/shm_trials.py).
 REGION_BYTES = 1024 * 1024
 REGION_CHOICES = (REGION_BYTES, 2 * REGION_BYTES)
 MAX_PIECE_BYTES = 8 * 1024 * 1024
@@ -99,12 +99,14 @@ class ShmCommunicator(Communicator):
     Args:
         piece_bytes: bytes of one slot (the unit of pipelining); segments are ``2 * piece_bytes``.
             Default: :data:`REGION_BYTES` per member, at most :data:`MAX_PIECE_BYTES`.
-        regions: region sizes large allreduces try, the default first (:class:`RegionTrial`); default
+        regions: region sizes large allreduces try, the default first (:class:`Trial`); default
             ``HOROVOD_SHM_REGION_BYTES`` if set, else those of :data:`REGION_CHOICES` whose piece fits
             :data:`MAX_PIECE_BYTES`; with ``piece_bytes`` given, that piece's region only.
         small_bytes: allreduce/allgather/broadcast at or below this go over the sockets.
-        cross_memory: let large allreduces, broadcasts and allgathers copy member to member (default:
-            ``HOROVOD_SHM_CROSS_MEMORY``); used only where every member's probe succeeds.
+        cross_memory: let large allreduces, broadcasts and allgathers copy member to member; used only where
+            every member's probe succeeds.  True: allreduces of plain arrays always do; None (default): as
+            ``HOROVOD_SHM_CROSS_MEMORY`` says, and allreduces measure it against the segments on their first
+            eligible calls and keep the faster (:class:`Trial`).
         direct_min_bytes / direct_chunk_bytes: where that starts, and the unit each member reduces at once.
     Raises:
         ValueError: a member is not connected over AF_UNIX (another host, or shm disabled in the mesh).
@@ -131,7 +133,7 @@ class ShmCommunicator(Communicator):
         self.regions = tuple(regions)
         self.region_bytes = self.large_region_bytes = regions[0]
         self.slot_bytes = self.region_bytes * self.size
-        self._trial = RegionTrial(regions, 2 * max(regions) * self.size) if len(regions) > 1 else None
+        self._region_trial = Trial(regions, 2 * max(regions) * self.size) if len(regions) > 1 else None
         # Slots (and members' segments) start at staggered offsets so that the streams one reduction
         # touches do not all map to the same cache sets (power-of-two strides measured 2x slower).
         self._stride = max(regions) * self.size + _STAGGER
@@ -143,10 +145,16 @@ class ShmCommunicator(Communicator):
         self._spin = Spin.for_peers(config.spin_wait_us, mesh.hostnames.count(mesh.hostnames[mesh.rank]))
         self._want_direct = config.shm_cross_memory if cross_memory is None else cross_memory
         self.direct_min_bytes, self.direct_chunk_bytes = direct_min_bytes, max(_ALIGN, direct_chunk_bytes)
+        # Allreduces of plain arrays member to member (True) or through the segments, per size class (a
+        # factor of 4: the kernel's copies gain on numpy's huge-page arrays of 4 MiB and up): measured.
+        self._measure_path = cross_memory is None
+        self._direct_by_size: dict[int, bool] = {}
+        self._path_trials: dict[int, Trial] = {}
         self._cma: CrossMemory | None = None  # set by _setup where every member can use it
         self._pids: dict[int, int] = {}
         self._scratch = np.empty(0, np.uint8)
         self._held: tuple = ()
+        self._summed = np.zeros(0)  # the last trial's medians, added over the members
 
     # -- setup ---------------------------------------------------------------------------------------
     def _setup(self) -> list[np.ndarray]:
@@ -325,20 +333,56 @@ class ShmCommunicator(Communicator):
                 inp = inp.concatenate(out)
             self.sockets.allreduce_scaled(inp, out, op, scale)
             return
-        if self._direct(inp.nbytes):  # maps the segments too
+        size_class = inp.nbytes.bit_length() // 2
+        if self._direct_by_size.get(size_class, True) and self._direct(inp.nbytes):
             plain = type(inp) is np.ndarray and type(out) is np.ndarray
             where = self._swap_addresses(inp if plain else None, out if plain else None,
                                          [inp.nbytes] * self.size, "an allreduce")
             if where is not None:
-                self._allreduce_direct(inp, out, op, scale, where)
+                self._allreduce_plain(inp, out, op, scale, where, size_class)
                 return
             # a member holds Pieces (TensorFlow's own buffers): through the segments, where they measured faster
+        self._allreduce_segments(inp, out, op, scale)
+
+    def _allreduce_plain(self, inp: np.ndarray, out: np.ndarray, op: ReduceOp, scale: float,
+                         where: dict[int, tuple[int, int]], size_class: int) -> None:
+        """Plain arrays on every member: member to member, or through the segments while this size class is
+        measured (and after, where they won)."""
+        trial = None
+        if self._measure_path and size_class not in self._direct_by_size:
+            trial = self._path_trials.setdefault(size_class, Trial((True, False), 0))
+        direct = trial is None or trial.candidate_for(inp.nbytes) is not False
+        start = time.perf_counter()  # all members are together after the swap of addresses
+        if direct:
+            self._allreduce_direct(inp, out, op, scale, where)
+        else:
+            self._allreduce_segments(inp, out, op, scale)
+        if trial is None or not self._decided(trial, direct, time.perf_counter() - start, inp.nbytes):
+            return
+        chosen = self._direct_by_size[size_class] = trial.choose(self._summed)
+        del self._path_trials[size_class]
+        how = "member to member" if chosen else "through the segments"
+        self._log_choice(f"allreduces of plain arrays of {2 ** (2 * size_class - 1)} to {2 ** (2 * size_class + 1)} "
+                         f"bytes {how}", ["member to member", "segments"])
+
+    def direct_for(self, nbytes: int) -> bool | None:
+        """Whether an allreduce of ``nbytes`` of plain arrays goes member to member where the kernel allows
+        it; None while that is being measured."""
+        size_class = nbytes.bit_length() // 2
+        if size_class in self._direct_by_size or not self._measure_path:
+            return self._direct_by_size.get(size_class, True)
+        return None
+
+    def _allreduce_segments(self, inp: np.ndarray | Pieces, out: np.ndarray | Pieces, op: ReduceOp,
+                            scale: float) -> None:
+        """Through the shared segments: one round for a buffer that fits a piece, else the owner scheme."""
+        self._ready()
         dtype, size, me = inp.dtype, self.size, self.rank
         if inp.nbytes <= self.slot_bytes and (size == 2 or size * inp.nbytes <= ONE_ROUND_BYTES):
             self._allreduce_one_round(inp, inp.size, dtype, out, op, scale)
             return
-        trial = self._trial
-        region_bytes = trial.region_for(inp.nbytes) if trial is not None else None
+        trial = self._region_trial
+        region_bytes = trial.candidate_for(inp.nbytes) if trial is not None else None
         timed = region_bytes is not None
         region_bytes = region_bytes or self.large_region_bytes
         region = region_bytes // dtype.itemsize
@@ -403,26 +447,26 @@ class ShmCommunicator(Communicator):
                     if phi > plo:
                         put(plo, self._region(i, slot, i, dtype, phi - plo, region_bytes))
         self._parity = (base_slot + npieces) & 1
-        if timed:
-            self._timed(region_bytes, time.perf_counter() - start, inp.nbytes)
+        if timed and self._decided(trial, region_bytes, time.perf_counter() - start, inp.nbytes):
+            self.large_region_bytes, self._region_trial = trial.choose(self._summed), None
+            self._log_choice(f"large allreduces in regions of {self.large_region_bytes // 1024} KiB",
+                             [f"{c // 1024} KiB" for c in trial.candidates])
 
-    def _timed(self, region_bytes: int, seconds: float, nbytes: int) -> None:
-        """Record one allreduce of the region trial; once it is complete, every member keeps the same region
-        (each gets every member's medians and adds them in the same order)."""
-        trial = self._trial
-        assert trial is not None
-        trial.record(region_bytes, seconds, nbytes)
+    def _decided(self, trial: Trial, candidate: Any, seconds: float, nbytes: int) -> bool:
+        """Record one allreduce of ``trial``; once it is complete, swap every member's medians (into
+        ``self._summed``, added in member order, so every member chooses alike) and say so."""
+        trial.record(candidate, seconds, nbytes)
         if not trial.complete:
-            return
+            return False
         mine = trial.medians()
         everyone = np.empty(mine.size * self.size, np.float64)
         self.sockets.allgatherv(mine, everyone, [mine.size] * self.size)
-        summed = everyone.reshape(self.size, mine.size).sum(axis=0)
-        self.large_region_bytes = trial.choose(summed)
-        self._trial = None
-        logger.info("shm %s: large allreduces in regions of %d KiB (tried %s KiB: %s ns per MB, all members)",
-                    self.ranks, self.large_region_bytes // 1024, [c // 1024 for c in trial.candidates],
-                    [round(t * 1e15) for t in summed])
+        self._summed = everyone.reshape(self.size, mine.size).sum(axis=0)
+        return True
+
+    def _log_choice(self, chosen: str, tried: list[str]) -> None:
+        logger.info("shm %s: %s (measured %s: %s ns per MB, all members)", self.ranks, chosen, ", ".join(tried),
+                    [round(t * 1e15) for t in self._summed])
 
     def _allreduce_one_round(self, inp: np.ndarray | Pieces, total: int, dtype: np.dtype,
                              out: np.ndarray | Pieces, op: ReduceOp, scale: float) -> None:

@@ -141,7 +141,7 @@ def _comm(ctx: Ctx, **kwargs):
 def _plain_and_pieces(ctx: Ctx) -> dict:
     """Plain arrays in place and not (member to member), then one member holding Pieces or a strided view (all
     through the segments); Average's scale."""
-    comm = _comm(ctx, direct_min_bytes=1, direct_chunk_bytes=1000)
+    comm = _comm(ctx, direct_min_bytes=1, direct_chunk_bytes=1000, cross_memory=True)
     calls = []
     real = comm._allreduce_direct
     comm._allreduce_direct = lambda *a: calls.append(1) or real(*a)

@@ -75,8 +75,8 @@ def _make(ctx: Ctx, backend: str, ranks: list[int]):
     if backend == "shm":  # through the segments, as where the kernel refuses cross-memory copies
         return ShmCommunicator(ctx.mesh, ranks, ctx.config, piece_bytes=256, small_bytes=0, cross_memory=False)
     if backend == "shm-direct":  # member to member, chunks of 3 float32 / 12 uint8 cross every part boundary
-        comm = ShmCommunicator(ctx.mesh, ranks, ctx.config, piece_bytes=256, small_bytes=0, direct_min_bytes=1,
-                               direct_chunk_bytes=12)
+        comm = ShmCommunicator(ctx.mesh, ranks, ctx.config, piece_bytes=256, small_bytes=0, cross_memory=True,
+                               direct_min_bytes=1, direct_chunk_bytes=12)
         comm._ready()
         assert comm._cma is not None, "this host refused cross-memory copies"
         return comm

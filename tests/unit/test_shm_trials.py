@@ -1,8 +1,9 @@
-"""The shared-memory region trial: which region size large allreduces keep, chosen by measuring them.
+"""The shared-memory trials: which region size large allreduces keep, and whether plain arrays go member to
+member or through the segments, chosen by measuring them.
 
 The trial's bookkeeping is checked on its own; then real members (spawned processes, segments, token rounds)
-run it with tiny regions: every allreduce during and after the trial checked against numpy, every member
-keeping the same region, and a region made slow on purpose (a sleep in its token rounds) losing.
+run both trials with tiny sizes: every allreduce during and after a trial checked against numpy, every member
+keeping the same choice, and a candidate made slow on purpose (a sleep) losing.
 """
 
 from __future__ import annotations
@@ -17,28 +18,28 @@ from transport_harness import Ctx, run_ranks
 from horovod.base.config import EnvVarError, read_runtime_config
 from horovod.transport.buffers import Pieces
 from horovod.transport.communicator import ReduceOp
-from horovod.transport.shm_regions import MARGIN, SAMPLES, WARMUP, RegionTrial
+from horovod.transport.shm_trials import MARGIN, SAMPLES, WARMUP, Trial
 
 REGIONS = (256, 512)  # bytes: a 4 KiB allreduce crosses 4-8 pieces at np=2
 
 
 # --------------------------------------------------------------------------------------------- bookkeeping
 def test_candidates_in_turn_after_the_warm_up_and_small_calls_left_out():
-    trial = RegionTrial((10, 20, 40), min_bytes=100, warmup=2, samples=2)
-    assert trial.region_for(99) is None
-    seen = [trial.region_for(100) for _ in range(8)]
+    trial = Trial((10, 20, 40), min_bytes=100, warmup=2, samples=2)
+    assert trial.candidate_for(99) is None
+    seen = [trial.candidate_for(100) for _ in range(8)]
     assert seen == [10, 10, 10, 20, 40, 10, 20, 40]
-    assert trial.region_for(50) is None  # below min_bytes: not counted
+    assert trial.candidate_for(50) is None  # below min_bytes: not counted
 
 
 def test_complete_once_every_candidate_has_its_samples_and_the_warm_up_is_not_recorded():
-    trial = RegionTrial((10, 20), min_bytes=1, warmup=1, samples=2)
+    trial = Trial((10, 20), min_bytes=1, warmup=1, samples=2)
     times = {10: [5.0, 1.0, 3.0], 20: [2.0, 4.0]}
-    region = trial.region_for(1000)  # warm-up: its time is not kept
+    region = trial.candidate_for(1000)  # warm-up: its time is not kept
     trial.record(region, 100.0, 1000)
     done = []
     for _ in range(4):
-        region = trial.region_for(1000)
+        region = trial.candidate_for(1000)
         trial.record(region, times[region].pop(0), 1000)
         done.append(trial.complete)
     assert done == [False, False, False, True]
@@ -52,13 +53,13 @@ def test_complete_once_every_candidate_has_its_samples_and_the_warm_up_is_not_re
     ([1.0, 1.2, 0.9], 40),
 ])
 def test_choice_keeps_the_default_unless_another_is_clearly_faster(summed, want):
-    trial = RegionTrial((10, 20, 40)[:len(summed)], min_bytes=1)
+    trial = Trial((10, 20, 40)[:len(summed)], min_bytes=1)
     assert trial.choose(np.array(summed)) == want
 
 
 def test_a_trial_needs_two_candidates():
-    with pytest.raises(ValueError, match="two region sizes"):
-        RegionTrial((10,), min_bytes=1)
+    with pytest.raises(ValueError, match="two candidates"):
+        Trial((10,), min_bytes=1)
 
 
 # --------------------------------------------------------------------------------------------- the knob
@@ -92,11 +93,11 @@ def _trial_run(ctx: Ctx) -> dict:
                            small_bytes=0, cross_memory=False)
     me, size = comm.rank, comm.size
     current = [None]
-    if comm._trial is not None:
-        region_for, signal = comm._trial.region_for, comm._signal
+    if comm._region_trial is not None:
+        candidate_for, signal = comm._region_trial.candidate_for, comm._signal
 
         def tracked(nbytes: int):
-            current[0] = region_for(nbytes)
+            current[0] = candidate_for(nbytes)
             return current[0]
 
         def slowed() -> None:
@@ -104,7 +105,7 @@ def _trial_run(ctx: Ctx) -> dict:
                 time.sleep(0.003)
             signal()
 
-        comm._trial.region_for, comm._signal = tracked, slowed
+        comm._region_trial.candidate_for, comm._signal = tracked, slowed
     min_bytes = 2 * max(REGIONS) * size
     calls = WARMUP + SAMPLES * len(REGIONS)
     decided_after = None
@@ -125,7 +126,7 @@ def _trial_run(ctx: Ctx) -> dict:
             bad.append(call)
         small = np.full(7, float(me), np.float32)  # a small one in between: not part of the trial
         comm.allreduce(small, small, ReduceOp.SUM)
-        if decided_after is None and comm._trial is None:
+        if decided_after is None and comm._region_trial is None:
             decided_after = call + 1
     return {"bad": bad, "region": comm.large_region_bytes, "decided_after": decided_after}
 
@@ -191,3 +192,61 @@ def test_a_rank_with_another_region_setting_stops_the_job_with_a_clear_error(tmp
     assert "ALLREDUCED" not in out
     assert out.count("HOROVOD_SHM_REGION_BYTES must be the same on every rank") >= 2, out  # both ranks say so
     assert not marked_processes(marker)
+
+
+# --------------------------------------------------------------------------------------------- member to member
+def _path_run(ctx: Ctx) -> dict:
+    """Plain float32 allreduces of varied sizes (in place and not) through the path trial, a sleep added to
+    ``slow`` (direct or segments); each checked against numpy."""
+    from horovod.transport.shm import ShmCommunicator
+
+    slow = ctx.args
+    comm = ShmCommunicator(ctx.mesh, list(range(ctx.size)), ctx.config, piece_bytes=1024, small_bytes=0,
+                           direct_min_bytes=2048, direct_chunk_bytes=256)
+    comm._ready()
+    if comm._cma is None:
+        return {"skip": "this host refused cross-memory copies"}
+    me, size = comm.rank, comm.size
+    paths = []
+
+    def slowed(real, name):
+        def run(*a):
+            paths.append(name)
+            if name == slow:
+                time.sleep(0.003)
+            return real(*a)
+        return run
+
+    comm._allreduce_direct = slowed(comm._allreduce_direct, "direct")
+    comm._allreduce_segments = slowed(comm._allreduce_segments, "segments")
+    calls = WARMUP + SAMPLES * 2
+    bad, decided_after = [], None
+    for call in range(calls + 4):
+        n = 512 + 37 * (call % 3)  # 2048+ bytes: every call is part of the trial
+        ins = [np.random.default_rng(100 * call + r).integers(-8, 8, n).astype(np.float32) for r in range(size)]
+        want = np.sum(ins, axis=0, dtype=np.float32)
+        out = ins[me].copy() if call % 2 else np.empty(n, np.float32)
+        comm.allreduce(out if call % 2 else ins[me].copy(), out, ReduceOp.SUM)
+        if not np.array_equal(out, want):
+            bad.append(call)
+        if decided_after is None and comm.direct_for(n * 4) is not None:
+            decided_after = call + 1
+    other = comm.direct_for(1 << 20)  # another size class: measured on its own, not yet
+    return {"bad": bad, "direct": comm.direct_for(2048), "decided_after": decided_after, "paths": paths,
+            "other": other}
+
+
+@pytest.mark.parametrize("size", [2, 3])
+@pytest.mark.parametrize("slow, want_direct", [("direct", False), ("segments", True)])
+def test_members_keep_the_faster_path_together(size, slow, want_direct):
+    res = run_ranks(size, _path_run, slow, timeout=90)
+    for _, r, _ in res.values():
+        if "skip" in r:
+            pytest.skip(r["skip"])
+        assert r["bad"] == [], f"wrong sums in calls {r['bad']}"
+        assert r["direct"] is want_direct and r["other"] is None
+        assert r["decided_after"] == WARMUP + SAMPLES * 2
+        trial = r["paths"][:WARMUP + SAMPLES * 2]  # the default in the warm-up, then both in turn
+        assert trial == ["direct"] * WARMUP + ["direct", "segments"] * SAMPLES
+        after = set(r["paths"][WARMUP + SAMPLES * 2:])
+        assert after == {"direct" if want_direct else "segments"}

@@ -2,6 +2,7 @@
 
     python benchmarks/allreduce.py                 # full table (4 KiB ... 256 MiB)
     python benchmarks/allreduce.py --max-mib 64    # quicker
+    python benchmarks/allreduce.py --max-mib 1 --peers mpi --rounds 6   # medians of six alternated launches
 
 The driver launches each peer in turn in this same invocation (ours under horovodrun, Open MPI under mpirun,
 Gloo with torch.distributed env:// rendezvous), each worker writes its timings as JSON, and the driver prints
@@ -233,31 +234,46 @@ def _fmt_size(n: int) -> str:
     return f"{n // MIB} MiB" if n >= MIB else f"{n // KIB} KiB"
 
 
-def driver(max_mib: int, np_: int, peers: list[str], timeout: float) -> dict:
-    results = {}
+def driver(max_mib: int, np_: int, peers: list[str], timeout: float, rounds: int = 1) -> dict:
+    """Launch ours and each peer in turn, ``rounds`` times over (alternated: a shared host drifts from one
+    minute to the next, and each ratio pairs the two launches of one round); print medians over the rounds."""
+    runs: dict[str, list[dict]] = {}
+    kinds = []
+    for kind in ["horovod", *peers]:
+        if _available(kind):
+            kinds.append(kind)
+        else:
+            print(f"[skip] {kind}: not installed", file=sys.stderr)
     with tempfile.TemporaryDirectory() as tmp:
-        for kind in ["horovod", *peers]:
-            if not _available(kind):
-                print(f"[skip] {kind}: not installed", file=sys.stderr)
-                continue
-            out = os.path.join(tmp, f"{kind}.json")
-            if _launch(kind, out, max_mib, np_, timeout):
-                with open(out) as f:
-                    results[kind] = json.load(f)
-            else:
-                print(f"[skip] {kind}: run failed", file=sys.stderr)
-    ours = results.get("horovod")
-    kinds = [k for k in ("horovod", "mpi", "gloo") if k in results]
+        for r in range(rounds):
+            for kind in kinds:
+                out = os.path.join(tmp, f"{kind}.{r}.json")
+                if _launch(kind, out, max_mib, np_, timeout):
+                    with open(out) as f:
+                        runs.setdefault(kind, []).append(json.load(f))
+                else:
+                    print(f"[skip] {kind}: run {r + 1} failed", file=sys.stderr)
+    kinds = [k for k in ("horovod", "mpi", "gloo") if k in runs]
+    ours = runs.get("horovod")
     head = f"{'':>12}" + "".join(f"{k + ' (ms)':>14}" for k in kinds) + "".join(
         f"{k + '/ours':>12}" for k in kinds if k != "horovod")
-    print(f"\nallreduce float32 in place, Sum, np={np_} (median)")
+    print(f"\nallreduce float32 in place, Sum, np={np_} (median" + (f" over {rounds} alternated rounds; a ratio: the "
+          "median of each round's own)" if rounds > 1 else ")"))
     print(head)
 
-    def row(label: str, key, scale: float = 1e3, unit: str = "ms") -> None:
-        vals = {k: (results[k]["sizes"][str(key)] if isinstance(key, int) else results[k][key]) for k in kinds}
-        line = f"{label:>12}" + "".join(f"{vals[k] * scale:>14.3f}" for k in kinds)
+    def value(run: dict, key) -> float:
+        return run["sizes"][str(key)] if isinstance(key, int) else run[key]
+
+    def row(label: str, key) -> None:
+        line = f"{label:>12}" + "".join(f"{statistics.median(value(x, key) for x in runs[k]) * 1e3:>14.3f}"
+                                        for k in kinds)
         if ours is not None:
-            line += "".join(f"{vals[k] / vals['horovod']:>12.2f}" for k in kinds if k != "horovod")
+            for k in kinds:
+                if k != "horovod":
+                    ratios = [value(p, key) / value(o, key) for p, o in zip(runs[k], ours)]
+                    line += f"{statistics.median(ratios):>12.2f}"
+                    if rounds > 1:
+                        line += f" ({min(ratios):.2f}-{max(ratios):.2f})"
         print(line)
 
     for nbytes in _sizes(max_mib):
@@ -266,6 +282,7 @@ def driver(max_mib: int, np_: int, peers: list[str], timeout: float) -> dict:
     row("100x16KiB", "many")
     row("gather 16KiB", "gather")
     row("bcast 16KiB", "bcast")
+    results = {k: v[0] if rounds == 1 else v for k, v in runs.items()}
     print(json.dumps(results))
     return results
 
@@ -278,11 +295,13 @@ def main() -> None:
     parser.add_argument("-np", type=int, default=2)
     parser.add_argument("--peers", default="mpi,gloo", help="comma list of peers to run (mpi, gloo)")
     parser.add_argument("--timeout", type=float, default=600)
+    parser.add_argument("--rounds", type=int, default=1, help="launch every contender this many times, alternated; "
+                        "print medians (and each ratio's range) over the rounds")
     args = parser.parse_args()
     if args.worker:
         worker(args.worker, args.out, args.max_mib)
     else:
-        driver(args.max_mib, args.np, [p for p in args.peers.split(",") if p], args.timeout)
+        driver(args.max_mib, args.np, [p for p in args.peers.split(",") if p], args.timeout, args.rounds)
 
 
 if __name__ == "__main__":

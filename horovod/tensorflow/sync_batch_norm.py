@@ -21,8 +21,9 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
     def __init__(self, fused: bool | None = False, **kwargs) -> None:
         if fused in (True, None):
             raise ValueError("SyncBatchNormalization does not support fused=True.")
-        if not kwargs.get("name"):
-            kwargs["name"] = "sync_batch_normalization"
+        # Unnamed layers are named by Keras from the class: "sync_batch_normalization" as upstream, then
+        # "sync_batch_normalization_1", ...  (upstream gave every one the first name, which Keras 3 refuses
+        # in a model holding more than one.)
         super().__init__(**kwargs)
 
     def _moments(self, inputs, mask):

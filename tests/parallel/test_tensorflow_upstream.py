@@ -2,6 +2,7 @@
 
 * the gradient of ``reducescatter`` (upstream: ``allgather(dy)`` times the set size for ``Sum``);
 * ``SyncBatchNormalization(fused=False)`` is accepted (and ``fused`` ignored), ``fused=True/None`` refused;
+  unnamed layers are named as Keras names them, so a model may hold several;
 * ranks that disagree raise ``FailedPreconditionError`` eagerly and in TF1 sessions, and inside
   ``tf.function`` an error that names it (never an empty result).
 """
@@ -87,6 +88,40 @@ def test_sync_batch_norm_fused_false_is_accepted_and_global():
     for fused in (True, None):
         with pytest.raises(ValueError, match="^SyncBatchNormalization does not support fused=True.$"):
             hvd.SyncBatchNormalization(fused=fused)
+
+
+def test_sync_batch_norm_layers_in_one_model_use_the_global_batch():
+    """Several unnamed SyncBatchNormalization layers in one model, Sequential and functional: upstream named
+    each one "sync_batch_normalization", which Keras 3 refuses twice in a model.  Each layer normalises with
+    the statistics of every rank's rows: the same model with Keras' BatchNormalization on all the rows gives
+    this rank's rows (eagerly and in tf.function), and the moving statistics alike."""
+    import keras
+
+    def build(norm, functional: bool):
+        layers = [layer for _ in range(3) for layer in (keras.layers.Dense(5), norm(momentum=0.5))]
+        if not functional:
+            return keras.Sequential([keras.Input((5,)), *layers])
+        x = inp = keras.Input((5,))
+        for layer in layers:
+            x = layer(x)
+        return keras.Model(inp, x)
+
+    rng = np.random.default_rng(11)
+    full = rng.normal(size=(SIZE * 4, 5)).astype(np.float32) * np.arange(1, 6, dtype=np.float32)
+    mine = full[RANK * 4:(RANK + 1) * 4]
+    for functional in (False, True):
+        keras.utils.set_random_seed(5)  # the same weights on every rank
+        synced = build(hvd.SyncBatchNormalization, functional)
+        names = [layer.name for layer in synced.layers if isinstance(layer, hvd.SyncBatchNormalization)]
+        assert len(set(names)) == 3 and all(n.startswith("sync_batch_normalization") for n in names), names
+        plain = build(keras.layers.BatchNormalization, functional)
+        plain.set_weights(synced.get_weights())
+        expected = plain(full, training=True).numpy()[RANK * 4:(RANK + 1) * 4]
+        np.testing.assert_allclose(synced(mine, training=True).numpy(), expected, rtol=1e-4, atol=1e-4)
+        for got, want in zip(synced.get_weights(), plain.get_weights()):  # the moving statistics among them
+            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+        traced = tf.function(lambda x, model=synced: model(x, training=True))
+        np.testing.assert_allclose(traced(tf.constant(mine)).numpy(), expected, rtol=1e-4, atol=1e-4)
 
 
 # ------------------------------------------------------------------------------------------------ errors

@@ -21,6 +21,7 @@ from horovod.common.process_sets import ProcessSet, global_process_set
 from horovod.tensorflow import mpi_ops as _mpi_ops
 from horovod.tensorflow.compression import Compression
 from horovod.tensorflow.gradient_aggregation import GradientReducer
+from horovod.tensorflow.sync_batch_norm import SyncBatchNormalization
 
 __all__ = ["create_distributed_optimizer", "is_distributed_optimizer", "make_distributed_inplace",
            "broadcast_global_variables", "allreduce", "allgather", "broadcast", "reducescatter", "load_model",
@@ -287,10 +288,10 @@ def load_model(keras, filepath, custom_optimizers=None, custom_objects=None, com
                legacy_opts: bool = False):
     """Load a Keras model; its optimizer (if compiled) comes back wrapped in DistributedOptimizer with its
     state."""
-    objects = dict(custom_objects or {})
+    objects = {"SyncBatchNormalization": SyncBatchNormalization, **(custom_objects or {})}
     for opt in custom_optimizers or []:
         objects[opt.__name__] = opt
-    model = keras.models.load_model(filepath, custom_objects=objects or None)
+    model = keras.models.load_model(filepath, custom_objects=objects)
     opt = getattr(model, "optimizer", None)
     if opt is not None and isinstance(opt, keras.optimizers.Optimizer):
         make_distributed_inplace(opt, compression=compression)

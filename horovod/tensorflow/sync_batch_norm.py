@@ -11,8 +11,13 @@ from horovod.tensorflow.mpi_ops import Sum, _allreduce
 __all__ = ["SyncBatchNormalization"]
 
 
+@keras.saving.register_keras_serializable(package="horovod")
 class SyncBatchNormalization(keras.layers.BatchNormalization):
     """Batch normalization whose mean and variance are those of the global batch (all ranks).
+
+    Registered with Keras, so ``keras.models.load_model`` rebuilds a saved model that holds it (Keras 3 refuses
+    unregistered classes outside its own modules); ``hvd.load_model`` also knows it by its class name, for
+    files saved before it was registered.
 
     Each rank contributes ``[mean, var + mean**2]`` of its batch; a Sum-allreduce divided by the size gives
     E[x] and E[x**2], so var = E[x**2] - E[x]**2 (equal per-rank batch sizes, as upstream assumes).

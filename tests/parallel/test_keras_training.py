@@ -225,6 +225,27 @@ def test_sync_batch_norm_uses_global_statistics():
         hvd.SyncBatchNormalization(fused=True)
 
 
+def test_a_saved_model_with_sync_batch_norm_loads(tmp_path):
+    """A trained model holding two SyncBatchNormalization layers, saved, comes back with either loader (Keras 3
+    refuses classes it does not know): the same layers, weights and predictions, and the optimizer distributed
+    again with ``hvd.load_model``."""
+    keras.utils.set_random_seed(7)  # the same model on every rank
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8), hvd.SyncBatchNormalization(),
+                              keras.layers.Dense(8), hvd.SyncBatchNormalization(), keras.layers.Dense(1)])
+    model.compile(optimizer=hvdk.DistributedOptimizer(keras.optimizers.SGD(0.05)), loss="mse")
+    rng = np.random.default_rng(hvd.rank())
+    x = rng.normal(size=(32, 4)).astype(np.float32)
+    model.fit(x, x.sum(axis=1, keepdims=True), batch_size=8, epochs=2, verbose=0)
+    path = str(tmp_path / "model.keras")
+    model.save(path)
+    for loaded in (keras.models.load_model(path), hvdk.load_model(path)):
+        assert [type(layer) for layer in loaded.layers] == [type(layer) for layer in model.layers]
+        for got, want in zip(loaded.get_weights(), model.get_weights()):
+            np.testing.assert_array_equal(got, want)
+        np.testing.assert_allclose(loaded.predict(x, verbose=0), model.predict(x, verbose=0), rtol=1e-6)
+    assert is_distributed_optimizer(loaded.optimizer)
+
+
 def test_errors_in_keras_front_end():
     with pytest.raises(ValueError, match="op currently only supports Average and Sum"):
         hvdk.DistributedOptimizer(keras.optimizers.SGD(0.1), op=hvd.Max)

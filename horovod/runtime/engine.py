@@ -567,9 +567,8 @@ class Engine:
         often not running and the spin only burns a core, so after a spin that found nothing the next ones are
         skipped (1, 2, 4 ... 64 waits) until one succeeds again.  Only the waiter of an op waited for at once
         spins: the caller of a synchronous op (``hvd.allreduce``, ``allreduce_``) and TensorFlow's completer,
-        which waits for each graph collective as it is submitted (a SyncBatchNormalization layer's two
-        allreduces: 1.25 instead of 1.44 ms per layer and step at np=2, medians; the gradient steps of
-        docs/benchmarks.md unchanged).
+        which waits for each graph collective as it is submitted (a SyncBatchNormalization layer's allreduce:
+        1.2 instead of 1.45 ms per layer and step at np=2; the gradient steps of docs/benchmarks.md unchanged).
         A training step's wait for the gradients it reduced asynchronously does not, as measured on the
         shared 2-core host, where spinning there cost some runs 8-11% of their steps.
         """

@@ -271,12 +271,11 @@ class Engine:
 
     def enqueue_one(self, request: Request, tensor, output, wake: bool = True, send_now: bool = False) -> Handle:
         """:meth:`enqueue` of one item (the per-tensor path of the adapters); ``wake=False`` when the caller
-        waits for it right away (see :meth:`TensorQueue.push_one`).  ``send_now``: another thread waits for
-        it as soon as it can (TensorFlow's completer), and the request leaves from this one now (see
-        :meth:`_send_now`).  Either way the op is waited for at once, so its waiter may spin (:meth:`_spin`)."""
+        waits for it right away (see :meth:`TensorQueue.push_one`).  ``send_now``: another thread will wait
+        for it, and the request leaves from this one now (see :meth:`_send_now`)."""
         if self._exited:
             self._raise_stopped()
-        entry = TensorEntry(request, tensor, output, self.queue, send_now or not wake)
+        entry = TensorEntry(request, tensor, output, self.queue, not (wake or send_now))
         if self.queue.push_one(entry, wake and not send_now) is not None:
             raise ValueError(DUPLICATE_NAME_MESSAGE)
         if self._exited:  # lost a race with the engine's exit: fail what we just queued
@@ -565,12 +564,10 @@ class Engine:
         ``HOROVOD_SPIN_WAIT_US``.  With more ranks on this host than cores it does not spin at all (a
         spinning rank would take the core a peer needs to answer).  On an otherwise busy host the peer is
         often not running and the spin only burns a core, so after a spin that found nothing the next ones are
-        skipped (1, 2, 4 ... 64 waits) until one succeeds again.  Only the waiter of an op waited for at once
-        spins: the caller of a synchronous op (``hvd.allreduce``, ``allreduce_``) and TensorFlow's completer,
-        which waits for each graph collective as it is submitted (a SyncBatchNormalization layer's allreduce:
-        1.2 instead of 1.45 ms per layer and step at np=2; the gradient steps of docs/benchmarks.md unchanged).
-        A training step's wait for the gradients it reduced asynchronously does not, as measured on the
-        shared 2-core host, where spinning there cost some runs 8-11% of their steps.
+        skipped (1, 2, 4 ... 64 waits) until one succeeds again.  Only the caller of a synchronous op spins
+        (``hvd.allreduce``, ``allreduce_``: enqueued and waited for at once); a training step's wait for the
+        gradients it reduced asynchronously does not, as measured on the shared 2-core host, where spinning
+        there cost some runs 8-11% of their steps.
         """
         if not self._spin_time:
             return None

@@ -122,7 +122,7 @@ class TensorEntry(Handle):
         self.request = request
         self.tensor = tensor
         self.output = output
-        self.sync = sync  # waited for right away (a synchronous op, a TensorFlow graph collective): may spin
+        self.sync = sync  # enqueued by a caller that waits for it right away (a synchronous op)
 
     @property
     def handle(self) -> Handle:

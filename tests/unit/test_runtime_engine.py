@@ -190,49 +190,6 @@ def test_single_rank_engine_runs_rounds_in_the_waiting_thread():
     assert eng.stopped.is_set()
 
 
-def test_ops_waited_for_at_once_are_the_ones_that_spin(monkeypatch):
-    """A synchronous op's caller, and the thread TensorFlow's submit hands an op to (``send_now``), spin while
-    they wait for the answer; an op enqueued for later (a backward pass's gradients) does not."""
-    eng = Engine(Topology(0, 1), RuntimeConfig(spin_wait_us=500.0))
-    eng._spin_time = 500e-6  # whatever this host's cores: the choice under test is per op
-    spun: list[str] = []
-
-    def spin(poll):
-        spun.append(threading.current_thread().name)
-        return None
-
-    monkeypatch.setattr(eng, "_spin", spin)
-    monkeypatch.setattr(eng, "_select_timeout", lambda: 0.001)
-    eng.start()
-    try:
-        def wait_in(thread_name: str, **kind) -> None:
-            # a round that completes nothing first, so the waiter reaches its wait
-            held = threading.Event()
-            original = eng._round
-
-            def first_round(*a, **k):
-                if not held.is_set():
-                    held.set()
-                    return None
-                return original(*a, **k)
-
-            eng._round = first_round
-            h = eng.enqueue_one(Request(RequestType.ALLREDUCE, 0, thread_name, F32, (2,), -1, 1),
-                                np.ones(2, np.float32), None, **kind)
-            t = threading.Thread(target=lambda: h.wait(timeout=10), name=thread_name)
-            t.start()
-            t.join(10)
-            eng._round = original
-            assert h.done()
-
-        wait_in("sync", wake=False)
-        wait_in("tf-completer", send_now=True)
-        wait_in("later")
-        assert "sync" in spun and "tf-completer" in spun and "later" not in spun, spun
-    finally:
-        eng.shutdown()
-
-
 def _readable(fd: int, timeout: float = 0.0) -> bool:
     return bool(select.select([fd], [], [], timeout)[0])
 

@@ -8,6 +8,7 @@ same on every rank because every rank builds the same graph); in eager mode ``na
 
 from __future__ import annotations
 
+import functools
 import itertools
 import re
 from collections.abc import Callable, Sequence
@@ -90,6 +91,15 @@ def _set_rank(process_set: ProcessSet) -> int:
     return ranks.index(me) if me in ranks else 0
 
 
+def _waited_at_once() -> dict:
+    """``wake=False`` for a single-tensor op enqueued in eager mode, where :func:`run_collective` waits for it
+    right away: the caller runs the engine's round itself and spins for the answer, as a synchronous numpy or
+    torch op's caller does, instead of arming the engine thread's wake timer and sleeping (a one-float eager
+    allreduce at np=2: 0.27-0.45 ms instead of 0.43-0.60).  Decided when the op is built: eagerly, that is
+    when it runs; in a graph the completer thread waits (see :mod:`horovod.tensorflow._bridge`)."""
+    return {"wake": False} if tf.executing_eagerly() else {}
+
+
 def _reduction_submit(one: Callable, many: Callable, grouped: bool, **kwargs) -> Callable:
     """The submit function of :func:`run_collective` for an allreduce or reducescatter: one engine op per
     tensor given (``one``), or a group (``many``) that negotiates as a unit."""
@@ -109,7 +119,8 @@ def _grouped_allreduce_raw(tensors: Sequence[tf.Tensor], *, op: int, prescale_fa
         return _flat_allreduce(tensors, op=op, prescale_factor=prescale_factor, postscale_factor=postscale_factor,
                                name=name, process_set=process_set)
 
-    submit = _reduction_submit(_ops.allreduce, _ops.grouped_allreduce, grouped, name=name, op=op,
+    one = functools.partial(_ops.allreduce, **_waited_at_once())
+    submit = _reduction_submit(one, _ops.grouped_allreduce, grouped, name=name, op=op,
                                prescale_factor=prescale_factor, postscale_factor=postscale_factor,
                                process_set=process_set)
     outs = run_collective(submit, tensors, [t.dtype for t in tensors], "HorovodAllreduce")
@@ -361,11 +372,13 @@ def grouped_allreduce(tensors, average: bool | None = None, device_dense: str = 
 # ---------------------------------------------------------------------------------------------- allgather
 def _allgather_raw(tensors: list[tf.Tensor], name: str | None, process_set: ProcessSet,
                    grouped: bool) -> list[tf.Tensor]:
+    wake = _waited_at_once()
+
     def submit(arrays):
         if grouped:
             handles = _ops.grouped_allgather(arrays, name=name, process_set=process_set)
         else:
-            handles = [_ops.allgather(arrays[0], name=name, process_set=process_set)]
+            handles = [_ops.allgather(arrays[0], name=name, process_set=process_set, **wake)]
         return lambda: [h.wait() for h in handles]
 
     outs = run_collective(submit, tensors, [t.dtype for t in tensors], "HorovodAllgather")
@@ -428,8 +441,10 @@ def grouped_allgather(tensors, name: str | None = None, ignore_name_scope: bool 
 
 # ---------------------------------------------------------------------------------------------- broadcast
 def _broadcast_raw(tensor: tf.Tensor, root_rank: int, name: str | None, process_set: ProcessSet) -> tf.Tensor:
+    wake = _waited_at_once()
+
     def submit(arrays):
-        h = _ops.broadcast(arrays[0], int(root_rank), name=name, process_set=process_set)
+        h = _ops.broadcast(arrays[0], int(root_rank), name=name, process_set=process_set, **wake)
         return lambda: [h.wait()]
 
     out = run_collective(submit, [tensor], [tensor.dtype], "HorovodBroadcast")[0]

@@ -52,6 +52,36 @@ def test_layout():
 
 
 @pytest.mark.parametrize("mode", MODES)
+def test_eager_ops_are_waited_for_as_synchronous_ones(mode, monkeypatch):
+    """Eagerly, the caller waits for its allreduce, allgather or broadcast right away: it is enqueued as a
+    synchronous numpy or torch op is (``wake=False``: the caller runs the round and may spin), with results
+    as before.  In a graph the completer waits, and nothing changes there."""
+    from horovod.common import basics
+
+    engine = basics.engine()
+    seen: list[tuple[str, bool]] = []
+    original = engine.enqueue_one
+
+    def enqueue_one(request, tensor, output, wake=True, send_now=False):
+        seen.append((request.name, wake or send_now))
+        return original(request, tensor, output, wake, send_now)
+
+    monkeypatch.setattr(engine, "enqueue_one", enqueue_one)
+    r, n = hvd.rank(), hvd.size()
+    x = np.arange(6, dtype=np.float64).reshape(2, 3) + r
+    summed, gathered, root = run(mode, lambda t: [hvd.allreduce(t, op=hvd.Sum, name=f"sync.ar.{mode}"),
+                                                   hvd.allgather(t, name=f"sync.ag.{mode}"),
+                                                   hvd.broadcast(t, n - 1, name=f"sync.bc.{mode}")], x)
+    everyone = [np.arange(6, dtype=np.float64).reshape(2, 3) + j for j in range(n)]
+    np.testing.assert_allclose(summed, sum(everyone))
+    np.testing.assert_allclose(gathered, np.concatenate(everyone))
+    np.testing.assert_allclose(root, everyone[-1])
+    kinds = {name.split(".")[1]: later for name, later in seen if name.startswith("sync.")}
+    assert set(kinds) == {"ar", "ag", "bc"}, seen
+    assert all(later != (mode == "eager") for later in kinds.values()), seen
+
+
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("dtype", REDUCE_DTYPES, ids=lambda d: np.dtype(d).name)
 @pytest.mark.parametrize("op", [hvd.Average, hvd.Sum])
 def test_allreduce(mode, dtype, op):

@@ -15,6 +15,7 @@ import functools
 import logging
 from typing import Any
 
+import keras
 import tensorflow as tf
 
 from horovod.common.process_sets import ProcessSet, global_process_set
@@ -24,8 +25,8 @@ from horovod.tensorflow.gradient_aggregation import GradientReducer
 from horovod.tensorflow.sync_batch_norm import SyncBatchNormalization
 
 __all__ = ["create_distributed_optimizer", "is_distributed_optimizer", "make_distributed_inplace",
-           "broadcast_global_variables", "allreduce", "allgather", "broadcast", "reducescatter", "load_model",
-           "CallableList"]
+           "require_tensorflow_backend", "broadcast_global_variables", "allreduce", "allgather", "broadcast",
+           "reducescatter", "load_model", "CallableList"]
 
 log = logging.getLogger(__name__)
 
@@ -190,8 +191,20 @@ _adapt_trainer()
 _keras2_optimizer_spelling()
 
 
+def require_tensorflow_backend(keras, what: str) -> None:
+    """Refuse, at once and by name, a Keras running on another backend (``KERAS_BACKEND=torch`` or ``jax``):
+    Horovod's Keras integration reduces and broadcasts TensorFlow variables and tensors, and on another
+    backend it failed only in the first step, with a TypeError from deep inside the optimizer."""
+    backend = keras.backend.backend()
+    if backend != "tensorflow":
+        raise ValueError(f"{what} needs Keras' TensorFlow backend, but this process runs Keras on {backend!r} "
+                         f"(KERAS_BACKEND={backend}): set KERAS_BACKEND=tensorflow, or train a torch model with "
+                         "horovod.torch")
+
+
 def _reducer(compression, sparse_as_dense, gradient_predivide_factor, op, num_groups, groups, process_set,
              scale_local_gradients, name) -> GradientReducer:
+    require_tensorflow_backend(keras, "horovod's Keras DistributedOptimizer")
     if op not in (_mpi_ops.Average, _mpi_ops.Sum):
         raise ValueError("op currently only supports Average and Sum")
     return GradientReducer(compression=compression or Compression.none, sparse_as_dense=sparse_as_dense, op=op,

@@ -63,6 +63,9 @@ def make_callbacks(keras) -> SimpleNamespace:
         """
 
         def __init__(self, root_rank: int, device: str = "", local_variables=None) -> None:
+            from horovod._keras import require_tensorflow_backend
+
+            require_tensorflow_backend(keras, "BroadcastGlobalVariablesCallback")
             super().__init__()
             self.root_rank = root_rank
             self.device = device

@@ -246,6 +246,30 @@ def test_a_saved_model_with_sync_batch_norm_loads(tmp_path):
     assert is_distributed_optimizer(loaded.optimizer)
 
 
+def test_keras_on_another_backend_is_refused_by_name():
+    """``KERAS_BACKEND=torch``: the DistributedOptimizer and the broadcast callback refuse at once, naming the
+    backend (they reduce and broadcast TensorFlow variables; the optimizer used to fail in its first step with
+    a TypeError from inside Keras).  A process of its own: Keras picks its backend once, at import."""
+    if hvd.rank() != 0:
+        return
+    probe = (
+        "import keras, horovod.tensorflow.keras as hvd\n"
+        "hvd.init()\n"
+        "for make in (lambda: hvd.DistributedOptimizer(keras.optimizers.SGD(0.1)),\n"
+        "             lambda: hvd.callbacks.BroadcastGlobalVariablesCallback(0)):\n"
+        "    try:\n"
+        "        make()\n"
+        "    except ValueError as e:\n"
+        "        print('refused:', e)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HOROVOD_")}
+    env.update(PYTHONPATH=str(ROOT), TF_CPP_MIN_LOG_LEVEL="2", KERAS_BACKEND="torch")
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=300)
+    refused = [line for line in out.stdout.splitlines() if line.startswith("refused:")]
+    assert len(refused) == 2, out.stdout + out.stderr
+    assert all("Keras on 'torch'" in line and "KERAS_BACKEND=tensorflow" in line for line in refused), refused
+
+
 def test_errors_in_keras_front_end():
     with pytest.raises(ValueError, match="op currently only supports Average and Sum"):
         hvdk.DistributedOptimizer(keras.optimizers.SGD(0.1), op=hvd.Max)

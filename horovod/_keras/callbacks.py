@@ -227,7 +227,9 @@ def make_callbacks(keras) -> SimpleNamespace:
 
         def __init__(self, monitor: str = "val_loss", verbose: int = 0, save_weights_only: bool = False,
                      mode: str = "auto", save_freq="epoch", filepath: str | None = None) -> None:
-            super().__init__(filepath=filepath or "best.keras", monitor=monitor, verbose=verbose,
+            # Keras 3 checks the suffix when the callback is made: a placeholder it accepts until one is set
+            placeholder = "best.weights.h5" if save_weights_only else "best.keras"
+            super().__init__(filepath=filepath or placeholder, monitor=monitor, verbose=verbose,
                              save_best_only=True, save_weights_only=save_weights_only, mode=mode,
                              save_freq=save_freq)
             if filepath is None:

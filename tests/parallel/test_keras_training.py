@@ -270,6 +270,30 @@ def test_keras_on_another_backend_is_refused_by_name():
     assert all("Keras on 'torch'" in line and "KERAS_BACKEND=tensorflow" in line for line in refused), refused
 
 
+@pytest.mark.parametrize("weights_only", [False, True])
+def test_best_model_checkpoint_keeps_the_best_epoch(tmp_path, weights_only):
+    """``BestModelCheckpoint`` made without a path (upstream's pattern: the path is set later), whole model or
+    weights only: what it saved is the epoch with the lowest validation loss -- evaluated again, it gives that
+    epoch's loss."""
+    keras.utils.set_random_seed(3)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(1)])
+    model.compile(optimizer=hvdk.DistributedOptimizer(keras.optimizers.SGD(0.3)), loss="mse")
+    rng = np.random.default_rng(hvd.rank())
+    x, xv = rng.normal(size=(64, 4)).astype(np.float32), rng.normal(size=(32, 4)).astype(np.float32)
+    y, yv = np.sin(x).sum(1, keepdims=True), np.sin(xv).sum(1, keepdims=True)
+    best = hvdk.callbacks.BestModelCheckpoint(monitor="val_loss", save_weights_only=weights_only)
+    assert best.filepath is None
+    best.filepath = str(tmp_path / ("best.weights.h5" if weights_only else "best.keras"))
+    history = model.fit(x, y, batch_size=16, epochs=5, verbose=0, validation_data=(xv, yv), callbacks=[best])
+    if weights_only:
+        saved = keras.models.clone_model(model)
+        saved.load_weights(best.filepath)
+        saved.compile(loss="mse")
+    else:
+        saved = keras.models.load_model(best.filepath)
+    np.testing.assert_allclose(saved.evaluate(xv, yv, verbose=0), min(history.history["val_loss"]), rtol=1e-5)
+
+
 def test_errors_in_keras_front_end():
     with pytest.raises(ValueError, match="op currently only supports Average and Sum"):
         hvdk.DistributedOptimizer(keras.optimizers.SGD(0.1), op=hvd.Max)

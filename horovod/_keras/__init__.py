@@ -191,7 +191,7 @@ _adapt_trainer()
 _keras2_optimizer_spelling()
 
 
-def require_tensorflow_backend(keras, what: str) -> None:
+def require_tensorflow_backend(what: str) -> None:
     """Refuse, at once and by name, a Keras running on another backend (``KERAS_BACKEND=torch`` or ``jax``):
     Horovod's Keras integration reduces and broadcasts TensorFlow variables and tensors, and on another
     backend it failed only in the first step, with a TypeError from deep inside the optimizer."""
@@ -204,7 +204,7 @@ def require_tensorflow_backend(keras, what: str) -> None:
 
 def _reducer(compression, sparse_as_dense, gradient_predivide_factor, op, num_groups, groups, process_set,
              scale_local_gradients, name) -> GradientReducer:
-    require_tensorflow_backend(keras, "horovod's Keras DistributedOptimizer")
+    require_tensorflow_backend("horovod's Keras DistributedOptimizer")
     if op not in (_mpi_ops.Average, _mpi_ops.Sum):
         raise ValueError("op currently only supports Average and Sum")
     return GradientReducer(compression=compression or Compression.none, sparse_as_dense=sparse_as_dense, op=op,

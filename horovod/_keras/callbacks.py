@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import numpy as np
 import tensorflow as tf
 
+from horovod._keras import require_tensorflow_backend
 from horovod.common import basics as _basics
 from horovod.common import ops as _ops
 from horovod.common.process_sets import global_process_set
@@ -63,9 +64,7 @@ def make_callbacks(keras) -> SimpleNamespace:
         """
 
         def __init__(self, root_rank: int, device: str = "", local_variables=None) -> None:
-            from horovod._keras import require_tensorflow_backend
-
-            require_tensorflow_backend(keras, "BroadcastGlobalVariablesCallback")
+            require_tensorflow_backend("BroadcastGlobalVariablesCallback")
             super().__init__()
             self.root_rank = root_rank
             self.device = device

@@ -22,7 +22,7 @@ from horovod.common import ops as _ops
 from horovod.common.basics import Adasum, Average, Max, Min, Product, Sum
 from horovod.common.process_sets import ProcessSet, global_process_set
 from horovod.tensorflow import _bridge
-from horovod.tensorflow._bridge import run_collective
+from horovod.tensorflow._bridge import Wait, run_collective
 
 __all__ = [
     "allreduce", "_allreduce", "grouped_allreduce", "allgather", "grouped_allgather", "broadcast",
@@ -104,8 +104,7 @@ def _reduction_submit(one: Callable, many: Callable, grouped: bool, **kwargs) ->
     """The submit function of :func:`run_collective` for an allreduce or reducescatter: one engine op per
     tensor given (``one``), or a group (``many``) that negotiates as a unit."""
     def submit(arrays):
-        handles = many(arrays, **kwargs) if grouped else [one(arrays[0], **kwargs)]
-        return lambda: [h.wait() for h in handles]
+        return Wait(many(arrays, **kwargs) if grouped else [one(arrays[0], **kwargs)])
     return submit
 
 
@@ -176,14 +175,10 @@ def _flat_allreduce(tensors: list[tf.Tensor], *, op: int, prescale_factor: float
 
     def submit(arrays):
         both = arrays[0] if len(arrays) == 1 else _ops.Pieces(arrays, merge=False)
-        pending = [_ops.allreduce(both, both, name=name, op=op, prescale_factor=prescale_factor,
-                                  postscale_factor=postscale_factor, process_set=process_set, send_now=True)]
-        del both, arrays[:]  # from here on only the handle holds the views
-
-        def finish():
-            pending.pop().wait()  # and drops it: TensorFlow may now update the results in place
-            return []
-        return finish
+        handle = _ops.allreduce(both, both, name=name, op=op, prescale_factor=prescale_factor,
+                                postscale_factor=postscale_factor, process_set=process_set, send_now=True)
+        del both, arrays[:]  # from here on only the handle holds the views (the Wait drops it when done)
+        return Wait([handle], lambda _results: [])
 
     results = run_collective(submit, [], [], "HorovodAllreduce", owned=owned)
     out: list = [None] * len(tensors)
@@ -379,7 +374,7 @@ def _allgather_raw(tensors: list[tf.Tensor], name: str | None, process_set: Proc
             handles = _ops.grouped_allgather(arrays, name=name, process_set=process_set)
         else:
             handles = [_ops.allgather(arrays[0], name=name, process_set=process_set, **wake)]
-        return lambda: [h.wait() for h in handles]
+        return Wait(handles)
 
     outs = run_collective(submit, tensors, [t.dtype for t in tensors], "HorovodAllgather")
     for o, t in zip(outs, tensors):
@@ -444,8 +439,7 @@ def _broadcast_raw(tensor: tf.Tensor, root_rank: int, name: str | None, process_
     wake = _waited_at_once()
 
     def submit(arrays):
-        h = _ops.broadcast(arrays[0], int(root_rank), name=name, process_set=process_set, **wake)
-        return lambda: [h.wait()]
+        return Wait([_ops.broadcast(arrays[0], int(root_rank), name=name, process_set=process_set, **wake)])
 
     out = run_collective(submit, [tensor], [tensor.dtype], "HorovodBroadcast")[0]
     out.set_shape(tensor.shape)

@@ -613,6 +613,50 @@ def test_steady_calls_do_not_ask_the_queue_and_unused_results_still_deliver(monk
     assert all(site is unused_site for site in asked) and len(asked) <= 3
 
 
+def test_small_graph_collectives_finish_in_their_submit_op(monkeypatch):
+    """A small collective inside ``tf.function`` is waited for by its submit op for a while (the completer
+    thread, the queue and the check then do nothing); one whose peer comes later is taken over by the
+    completer.  Both give the right results: allreduce written in place, grouped, allgather and broadcast."""
+    from horovod.tensorflow import _bridge
+    r, n = hvd.rank(), hvd.size()
+    handed = []
+    put = _bridge._completer.put
+    monkeypatch.setattr(_bridge._completer, "put", lambda *a: (handed.append(a), put(*a))[1])
+
+    def late(x):
+        time.sleep(0.3 if r == n - 1 else 0.0)  # the last rank reaches the collectives 0.3 s after the others
+        return x
+
+    @tf.function
+    def step(x, delay):
+        x = tf.cond(delay, lambda: tf.numpy_function(late, [x], tf.float32, stateful=True), lambda: x)
+        x.set_shape([6])
+        # one after the other (one submit op at a time waits; independent ones go to the completer at once)
+        a = hvd.allreduce(x, op=hvd.Sum, name="quick_sum")
+        b, c = hvd.grouped_allreduce([x * a, 2 * x], op=hvd.Average, name="quick_group")
+        with tf.control_dependencies([b, c]):
+            g = hvd.allgather(x[:2], name="quick_gather")
+        with tf.control_dependencies([g]):
+            return a, b, c, g, hvd.broadcast(x, n - 1, name="quick_bcast")
+
+    xs = [np.arange(6, dtype=np.float32) * (q + 1) for q in range(n)]
+    for wait_s, delay in ((30.0, False), (0.01, True)):
+        monkeypatch.setattr(_bridge, "QUICK_WAIT_S", wait_s)
+        for call in range(3):
+            handed.clear()
+            hvd.allreduce(tf.ones([1]), name=f"quick_align_{delay}_{call}")  # every rank starts the call together
+            a, b, c, g, bc = (t.numpy() for t in step(tf.constant(xs[r]), tf.constant(delay)))
+            np.testing.assert_allclose(a, np.sum(xs, 0), rtol=1e-6)
+            np.testing.assert_allclose(b, np.mean(xs, 0) * np.sum(xs, 0), rtol=1e-6)
+            np.testing.assert_allclose(c, 2 * np.mean(xs, 0), rtol=1e-6)
+            np.testing.assert_array_equal(g, np.concatenate([x[:2] for x in xs]))
+            np.testing.assert_array_equal(bc, xs[n - 1])
+            if not delay:
+                assert not handed, f"call {call}: {len(handed)} small collectives went to the completer"
+            elif r != n - 1:
+                assert handed, f"call {call}: a collective whose peer came 0.3 s later never reached the completer"
+
+
 def test_bad_arguments_are_invalid_argument():
     n = hvd.size()
     with pytest.raises(tf.errors.InvalidArgumentError, match="first dimension of tensor is not an even multiple"):

@@ -168,6 +168,66 @@ def test_fit_equivalence(wrap):
     assert_same_on_all_ranks(model.get_weights())
 
 
+def simulated_partial_weights(init, local: set[int], scale: bool, lr=0.1) -> list[list[np.ndarray]]:
+    """Every rank's weights after partial data-parallel SGD, simulated in this one process: the gradients
+    of the weights numbered in ``local`` stay each rank's own (divided by the size if ``scale``), the rest
+    are averaged over the ranks."""
+    n = hvd.size()
+    x, y = problem()
+    weights = [[w.copy() for w in init] for _ in range(n)]
+    model = make_model()
+    for step in range(STEPS):
+        _, xg = shard(x, step)
+        _, yg = shard(y, step)
+        grads = []
+        for q in range(n):
+            model.set_weights(weights[q])
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean((model(xg[q * BATCH:(q + 1) * BATCH]) - yg[q * BATCH:(q + 1) * BATCH]) ** 2)
+            grads.append([g.numpy() for g in tape.gradient(loss, model.trainable_variables)])
+        for q in range(n):
+            for i, w in enumerate(weights[q]):
+                g = grads[q][i] / (n if scale else 1) if i in local else np.mean([gr[i] for gr in grads], 0)
+                weights[q][i] = w - lr * g
+    return weights
+
+
+@pytest.mark.parametrize("scale", [True, False], ids=["scaled", "unscaled"])
+@pytest.mark.parametrize("how", ["tape", "fit"])
+def test_partial_distribution_keeps_local_layers_local(how, scale):
+    """``PartialDistributedGradientTape`` / ``PartialDistributedOptimizer``: the local layer's weights follow
+    each rank's own gradients (``scale_local_gradients``: divided by the size), the others the average."""
+    x, y = problem()
+    model = make_model()
+    init = rank0_init(model)
+    local_layer = model.layers[1]
+    opt = keras.optimizers.SGD(0.1)
+    if how == "tape":
+        @tf.function
+        def step_fn(xb, yb):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean((model(xb) - yb) ** 2)
+            tape = hvd.PartialDistributedGradientTape(tape, local_layers=local_layer, scale_local_gradients=scale)
+            grads = tape.gradient(loss, model.trainable_variables)
+            opt.apply_gradients(zip(grads, model.trainable_variables))
+
+        for step in range(STEPS):
+            step_fn(tf.constant(shard(x, step)[0]), tf.constant(shard(y, step)[0]))
+    else:
+        model.compile(optimizer=hvdk.PartialDistributedOptimizer(opt, local_layers=[local_layer],
+                                                                 scale_local_gradients=scale), loss="mse")
+        rows = np.concatenate([shard(x, s)[0] for s in range(STEPS)])
+        targets = np.concatenate([shard(y, s)[0] for s in range(STEPS)])
+        model.fit(rows, targets, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    local = {i for i, v in enumerate(model.trainable_variables) if any(v is w for w in local_layer.trainable_weights)}
+    assert local == {2, 3}
+    expected = simulated_partial_weights(init, local, scale)
+    assert_close(model.get_weights(), expected[hvd.rank()])
+    assert_same_on_all_ranks(model.get_weights()[:2])
+    if hvd.size() > 1:  # the local layer really is local: its weights differ from rank to rank
+        assert not np.allclose(expected[0][2], expected[1][2])
+
+
 def test_distributed_model_save_reload(tmp_path_factory):
     model = hvdk.DistributedModel(make_model())
     model.compile(optimizer="adam", loss="mse", jit_compile=True)

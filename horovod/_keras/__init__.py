@@ -90,6 +90,7 @@ class _DistributedOptimizerMixin:
 
     _hvd_reducer: GradientReducer
     _hvd_sum_accumulated = False
+    _hvd_reduced_outside = False  # True while a LossScaleOptimizer around it has reduced this step's gradients
 
     @property
     def __class__(self):  # noqa: PLE0237 - serialisation and isinstance see the wrapped optimizer class
@@ -113,7 +114,8 @@ class _DistributedOptimizerMixin:
             variables = None
         if self._hvd_sum_accumulated and self.gradient_accumulation_steps:
             grads = [g * self.gradient_accumulation_steps for g in grads]
-        grads = self._hvd_reducer.reduce(grads, variables)
+        if not self._hvd_reduced_outside:
+            grads = self._hvd_reducer.reduce(grads, variables)
         return super()._clip_gradients(grads)
 
 
@@ -140,13 +142,52 @@ def is_distributed_optimizer(optimizer: Any) -> bool:
     return type(optimizer) in _bases
 
 
-def _reduces_across_ranks(optimizer: Any) -> bool:
-    """A DistributedOptimizer, also inside Keras' LossScaleOptimizer (mixed_float16 wraps the one compiled)."""
+def _reducing_optimizer(optimizer: Any) -> Any:
+    """The DistributedOptimizer that is ``optimizer`` or is inside it (Keras' LossScaleOptimizer wraps the one
+    compiled under mixed_float16), else None."""
     while optimizer is not None:
         if is_distributed_optimizer(optimizer):
-            return True
+            return optimizer
         optimizer = getattr(optimizer, "inner_optimizer", None)
-    return False
+    return None
+
+
+def _reduces_across_ranks(optimizer: Any) -> bool:
+    return _reducing_optimizer(optimizer) is not None
+
+
+def _reduce_before_the_finite_check() -> None:
+    """Keras' LossScaleOptimizer skips a step whose gradients are not all finite, and decides per rank: a rank
+    whose float16 gradients overflowed skipped the reduction the others waited in, and a DistributedOptimizer
+    around a LossScaleOptimizer never reduced at all (the wrapper applies through its inner optimizer, never
+    its own ``_clip_gradients``). As upstream, the gradients are reduced first, so every rank checks the same
+    values and skips or applies the same step; the inner DistributedOptimizer does not reduce them again."""
+    scaler = keras.optimizers.LossScaleOptimizer
+    original_apply = scaler.apply
+    if getattr(original_apply, "_horovod", False):
+        return
+
+    @functools.wraps(original_apply)
+    def apply(self, grads, trainable_variables=None):
+        reducing = _reducing_optimizer(self)
+        if reducing is None or reducing._hvd_reduced_outside:
+            return original_apply(self, grads, trainable_variables)
+        if trainable_variables is None:
+            variables = getattr(self, "_trainable_variables", None)
+        else:
+            variables = trainable_variables = list(trainable_variables)
+        grads = reducing._hvd_reducer.reduce(grads, variables)
+        if reducing is self and reducing._hvd_sum_accumulated:  # the inner optimizer averages what it accumulates
+            steps = self.inner_optimizer.gradient_accumulation_steps
+            grads = [g if g is None else g * steps for g in grads]
+        object.__setattr__(reducing, "_hvd_reduced_outside", True)
+        try:
+            return original_apply(self, grads, trainable_variables)
+        finally:
+            object.__setattr__(reducing, "_hvd_reduced_outside", False)
+
+    apply._horovod = True  # type: ignore[attr-defined]
+    scaler.apply = apply
 
 
 def _adapt_trainer() -> None:
@@ -189,6 +230,7 @@ def _adapt_trainer() -> None:
 
 _adapt_trainer()
 _keras2_optimizer_spelling()
+_reduce_before_the_finite_check()
 
 
 def require_tensorflow_backend(what: str) -> None:
@@ -225,8 +267,9 @@ def create_distributed_optimizer(keras, optimizer, name: str | None = None, devi
         raise ValueError(f"DistributedOptimizer expects a keras.optimizers.Optimizer, got "
                          f"{type(optimizer).__name__}; for tf.compat.v1.train optimizers use "
                          f"horovod.tensorflow.DistributedOptimizer")
-    if is_distributed_optimizer(optimizer):
-        raise ValueError("The optimizer is already a Horovod DistributedOptimizer; wrap it only once.")
+    if _reduces_across_ranks(optimizer):
+        raise ValueError("The optimizer is already a Horovod DistributedOptimizer (or wraps one); wrap it only "
+                         "once.")
     if backward_passes_per_step < 1:
         raise ValueError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
     reducer = _reducer(compression, sparse_as_dense, gradient_predivide_factor, op, num_groups, groups,
@@ -234,10 +277,12 @@ def create_distributed_optimizer(keras, optimizer, name: str | None = None, devi
     base = type(optimizer)
     config = optimizer.get_config()
     if backward_passes_per_step > 1:
-        if config.get("gradient_accumulation_steps"):
+        # a LossScaleOptimizer refuses gradient_accumulation_steps: its inner optimizer accumulates
+        accumulating = config["inner_optimizer"]["config"] if "inner_optimizer" in config else config
+        if accumulating.get("gradient_accumulation_steps"):
             raise ValueError("Pass either backward_passes_per_step or the optimizer's gradient_accumulation_steps,"
                              " not both.")
-        config["gradient_accumulation_steps"] = backward_passes_per_step
+        accumulating["gradient_accumulation_steps"] = backward_passes_per_step
     new = _distributed_class(base).from_config(config)
     object.__setattr__(new, "_hvd_reducer", reducer)
     object.__setattr__(new, "_hvd_sum_accumulated", backward_passes_per_step > 1 and not average_aggregated_gradients)

@@ -168,6 +168,75 @@ def test_fit_equivalence(wrap):
     assert_same_on_all_ranks(model.get_weights())
 
 
+def with_loss_scale(wrap: str, distributed, optimizer):
+    """``distributed(optimizer)`` alone, inside a LossScaleOptimizer or around one."""
+    scaler = keras.optimizers.LossScaleOptimizer
+    if wrap == "inside_loss_scale":
+        return distributed(scaler(optimizer))
+    if wrap == "around_loss_scale":
+        return scaler(distributed(optimizer))
+    return distributed(optimizer)
+
+
+@pytest.mark.parametrize("wrap", ["plain", "inside_loss_scale", "around_loss_scale"])
+@pytest.mark.parametrize("average", [True, False])
+def test_backward_passes_per_step(wrap, average):
+    """Two backward passes per update: their gradients are summed (or averaged) and then averaged across
+    ranks, also when a LossScaleOptimizer is involved (which refuses gradient_accumulation_steps itself).
+    Reference: one process, one SGD step per two global batches (twice the rate when they are summed)."""
+    x, y = problem()
+    model = make_model()
+    init = rank0_init(model)
+
+    def distributed(optimizer):
+        return hvdk.DistributedOptimizer(optimizer, backward_passes_per_step=2, average_aggregated_gradients=average)
+
+    model.compile(optimizer=with_loss_scale(wrap, distributed, keras.optimizers.SGD(0.1)), loss="mse")
+    rows = np.concatenate([shard(x, s)[0] for s in range(STEPS)])
+    targets = np.concatenate([shard(y, s)[0] for s in range(STEPS)])
+    model.fit(rows, targets, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    reference = make_model()
+    reference.set_weights(init)
+    reference.compile(optimizer=keras.optimizers.SGD(0.1 if average else 0.2), loss="mse")
+    reference.fit(x, y, batch_size=2 * BATCH * hvd.size(), epochs=1, shuffle=False, verbose=0)
+    assert_close(model.get_weights(), reference.get_weights())
+    assert_same_on_all_ranks(model.get_weights())
+
+
+@pytest.mark.parametrize("wrap", ["compile_wraps", "inside_loss_scale", "around_loss_scale"])
+def test_mixed_precision_skips_an_overflowing_step_on_every_rank(wrap):
+    """A LossScaleOptimizer skips a step whose gradients are not finite. One rank's float16 gradients overflow
+    in step 1: the reduced gradients are checked, so every rank skips that step (it hung: the overflowing rank
+    skipped the allreduce the others waited in), and a DistributedOptimizer around a LossScaleOptimizer
+    reduces (it applied local gradients). Reference: one process, whole global batches, same loss scaling."""
+    x, y = problem()
+    y /= 10  # so that only the planted target overflows, also in a rank's smaller batch
+    y[1 * BATCH * hvd.size() + (hvd.size() - 1) * BATCH] = 6e4  # the last rank's first target of step 1
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        model = make_model()
+        init = rank0_init(model)
+        # compile_wraps: Keras puts a LossScaleOptimizer around it (mixed_float16)
+        model.compile(optimizer=with_loss_scale(wrap, hvdk.DistributedOptimizer, keras.optimizers.SGD(0.1)),
+                      loss="mse")
+        rows = np.concatenate([shard(x, s)[0] for s in range(STEPS)])
+        targets = np.concatenate([shard(y, s)[0] for s in range(STEPS)])
+        model.fit(rows, targets, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+        reference = make_model()
+        reference.set_weights(init)
+        reference.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")  # Keras wraps it: mixed_float16
+        reference.fit(x, y, batch_size=BATCH * hvd.size(), epochs=1, shuffle=False, verbose=0)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    assert type(model.optimizer).__name__ == type(reference.optimizer).__name__ == "LossScaleOptimizer"
+    assert int(reference.optimizer.iterations) == STEPS - 1  # the reference skipped the overflowing step too
+    assert int(model.optimizer.iterations) == STEPS - 1
+    assert float(model.optimizer.dynamic_scale) == float(reference.optimizer.dynamic_scale)
+    for u, v in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(u, v, rtol=1e-2, atol=2e-3)  # float16 forward passes
+    assert_same_on_all_ranks(model.get_weights())
+
+
 def simulated_partial_weights(init, local: set[int], scale: bool, lr=0.1) -> list[list[np.ndarray]]:
     """Every rank's weights after partial data-parallel SGD, simulated in this one process: the gradients
     of the weights numbered in ``local`` stay each rank's own (divided by the size if ``scale``), the rest

@@ -155,20 +155,24 @@ def make_callbacks(keras) -> SimpleNamespace:
             _set_lr(opt, new_lr)
             if hasattr(opt, "momentum") and self.momentum_correction and old_lr > 0:
                 momentum = opt.momentum
+                if not hasattr(momentum, "assign"):
+                    # Keras 3's momentum is a Python float that the first traced step bakes in: a corrected
+                    # value set now would stay the momentum of the whole run, not of this batch
+                    self._warn_float_momentum()
+                    return
                 self.restore_momentum = float(np.asarray(momentum))
-                new_m = self.restore_momentum * new_lr / old_lr
-                if hasattr(momentum, "assign"):
-                    momentum.assign(new_m)
-                else:
-                    opt.momentum = new_m
+                momentum.assign(self.restore_momentum * new_lr / old_lr)
+
+        def _warn_float_momentum(self) -> None:
+            if not getattr(self, "_warned_float_momentum", False):
+                self._warned_float_momentum = True
+                log.warning("%s: momentum_correction is skipped: the optimizer's momentum is a Python float, "
+                            "fixed in the compiled training step (Keras 3); pass momentum_correction=False to "
+                            "silence this", type(self).__name__)
 
         def _restore_momentum_if_needed(self) -> None:
             if self.restore_momentum is not None:
-                opt = self.model.optimizer
-                if hasattr(opt.momentum, "assign"):
-                    opt.momentum.assign(self.restore_momentum)
-                else:
-                    opt.momentum = self.restore_momentum
+                self.model.optimizer.momentum.assign(self.restore_momentum)
                 self.restore_momentum = None
 
         def on_train_begin(self, logs=None) -> None:

@@ -343,6 +343,37 @@ def test_lr_schedule_and_warmup_arithmetic():
         hvdk.callbacks.LearningRateScheduleCallback(initial_lr=None, multiplier=1.0)
 
 
+def test_warmup_momentum_correction_is_skipped_for_a_float_momentum(caplog):
+    """Momentum correction scales momentum by new_lr / old_lr for the batch whose rate changed. Keras 3's
+    momentum is a Python float (SGD and RMSprop test it in Python, so it cannot be a variable) that the traced
+    step bakes in: setting it had made the first batch's corrected momentum the momentum of the whole run.
+    The correction is skipped with a warning. Reference: one process on the global batches, the warm-up
+    rates set per batch by formula, momentum 0.9 throughout."""
+    n, steps = hvd.size(), STEPS
+    x, y = problem()
+    model = make_model()
+    init = rank0_init(model)
+    model.compile(optimizer=hvdk.DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9)), loss="mse")
+    rows = np.concatenate([shard(x, s)[0] for s in range(STEPS)])
+    targets = np.concatenate([shard(y, s)[0] for s in range(STEPS)])
+    warm = hvdk.callbacks.LearningRateWarmupCallback(initial_lr=0.1, warmup_epochs=1, steps_per_epoch=steps)
+    with caplog.at_level("WARNING", logger="horovod"):
+        model.fit(rows, targets, batch_size=BATCH, epochs=1, verbose=0, shuffle=False, callbacks=[warm])
+    assert caplog.text.count("momentum_correction is skipped") == 1
+    rates = [0.1 / n * ((b + 1) / steps * (n - 1) + 1) for b in range(steps)]
+
+    class Schedule(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            self.model.optimizer.learning_rate.assign(rates[batch])
+
+    reference = make_model()
+    reference.set_weights(init)
+    reference.compile(optimizer=keras.optimizers.SGD(0.1, momentum=0.9), loss="mse")
+    reference.fit(x, y, batch_size=BATCH * n, epochs=1, verbose=0, shuffle=False, callbacks=[Schedule()])
+    assert_close(model.get_weights(), reference.get_weights())
+    assert model.optimizer.momentum == 0.9
+
+
 def test_sync_batch_norm_uses_global_statistics():
     r, n = hvd.rank(), hvd.size()
     xs = [np.arange(6, dtype=np.float32).reshape(3, 2) * (j + 1) for j in range(n)]

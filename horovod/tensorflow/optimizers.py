@@ -133,8 +133,10 @@ class LegacyDistributedOptimizer(tf.compat.v1.train.Optimizer):
                 accs.append(None)
                 continue
             if isinstance(g, tf.IndexedSlices):
-                raise ValueError("IndexedSlices are not supported when backward_passes_per_step > 1; pass "
-                                 "sparse_as_dense=True to DistributedOptimizer")
+                if not self._reducer.sparse_as_dense:
+                    raise ValueError("IndexedSlices are not supported when backward_passes_per_step > 1; pass "
+                                     "sparse_as_dense=True to DistributedOptimizer")
+                g = tf.convert_to_tensor(g)
             key = v.ref()
             if key not in self._acc:
                 with tf.init_scope():

@@ -135,6 +135,34 @@ def test_tf1_compute_gradients_equivalence():
     np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-6)
 
 
+def test_tf1_backward_passes_per_step_with_sparse_as_dense():
+    """An embedding's IndexedSlices gradient accumulated over two passes (it was refused even with
+    sparse_as_dense=True). Reference: numpy, the two passes' gradients summed, averaged across ranks."""
+    n, passes = hvd.size(), 4
+    rows = [[(r + t) % 5, (2 * r + 3 * t) % 5] for r in range(n) for t in range(passes)]  # [r * passes + t]
+    with tf.Graph().as_default():
+        emb = tf.compat.v1.get_variable("emb", initializer=np.ones((5, 2), np.float32))
+        idx = tf.compat.v1.placeholder(tf.int32, [2])
+        loss = tf.reduce_sum(tf.gather(emb, idx)) * float(hvd.rank() + 1)
+        opt = hvd.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.1),
+                                       backward_passes_per_step=2, sparse_as_dense=True)
+        train = opt.minimize(loss)
+        with tf.compat.v1.Session() as s:
+            s.run(tf.compat.v1.global_variables_initializer())
+            for t in range(passes):
+                s.run(train, {idx: rows[hvd.rank() * passes + t]})
+            got = s.run(emb)
+    ref = np.ones((5, 2))
+    for first in range(0, passes, 2):
+        grad = np.zeros((5, 2))
+        for r in range(n):
+            for t in (first, first + 1):
+                for i in rows[r * passes + t]:
+                    grad[i] += r + 1
+        ref -= 0.1 * grad / n
+    np.testing.assert_allclose(got, ref, rtol=1e-6)
+
+
 @pytest.mark.parametrize("wrap", ["optimizer", "distributed_model"])
 def test_fit_equivalence(wrap):
     x, y = problem()

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import hashlib
 import logging
 import warnings
 import weakref
@@ -36,7 +37,7 @@ import torch
 from horovod.base.config import read_env
 from horovod.base.reduce_ops import predivide_scales
 from horovod.common import basics
-from horovod.common.basics import Adasum, Average
+from horovod.common.basics import Adasum, Average, Sum
 from horovod.common.process_sets import ProcessSet, global_process_set
 from horovod.common.util import split_list
 from horovod.torch.compression import Compression, Compressor
@@ -75,12 +76,15 @@ class _Bucket:
     """A flat buffer shared by several small gradients (``slots[i]`` is ``params[i]``'s view of it) and this
     step's fill state: which slots hold their gradient, which parameters went their own way (sparse)."""
 
-    __slots__ = ("name", "params", "flat", "slots", "filled", "skipped", "launched")
+    __slots__ = ("name", "params", "flat", "slots", "filled", "skipped", "launched", "layout_checked")
 
     def __init__(self, name: str, params: list[torch.Tensor]) -> None:
         self.params = params
         self.flat = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype)
-        self.name = f"{name}:{self.flat.numel()}"
+        # the same name on every rank whatever the layout: a bucket of another size is the engine's shape
+        # mismatch error at once (a name with the size in it never matched: a stall)
+        self.name = name
+        self.layout_checked = False  # every rank's bucket holds the same shapes (checked at its first reduction)
         self.slots, offset = [], 0
         for p in params:
             self.slots.append(self.flat[offset:offset + p.numel()].view(p.shape))
@@ -94,26 +98,61 @@ class _Bucket:
         self.skipped.clear()
         self.launched = False
 
+    def shapes(self) -> list[tuple[int, ...]]:
+        return [tuple(p.shape) for p in self.params]
+
+    def layout_moments(self) -> torch.Tensor:
+        """``[1, d, d*d]`` for a 20-bit hash ``d`` of the members' shapes (equal numbers of elements in other
+        shapes would be summed slot into the wrong slot without a word). Summed over the ranks that take
+        part (a joined rank adds zeros), ``d`` is everyone's iff ``sum(d) == n*d`` and ``sum(d*d) == n*d*d``."""
+        digest = hashlib.blake2b(repr(self.shapes()).encode(), digest_size=4).digest()
+        d = (int.from_bytes(digest, "little") & 0xFFFFF) + 1
+        return torch.tensor([1, d, d * d], dtype=torch.int64)
+
 
 class _BucketReduction:
-    """The started allreduce of one bucket; ``finish()`` copies the averaged slots back into the gradients."""
+    """The started allreduce of one bucket; ``finish()`` copies the averaged slots back into the gradients.
+    ``layouts`` is the sum of every rank's :meth:`_Bucket.layout_moments`, started with the bucket's first
+    reduction."""
 
-    __slots__ = ("bucket", "handle", "done")
+    __slots__ = ("bucket", "handle", "layouts", "done")
 
-    def __init__(self, bucket: _Bucket, handle) -> None:
+    def __init__(self, bucket: _Bucket, handle, layouts=None) -> None:
         self.bucket = bucket
         self.handle = handle
+        self.layouts = layouts
         self.done = False
 
     def finish(self) -> None:
         if self.done:
             return
         self.done = True
-        synchronize(self.handle)
         bucket = self.bucket
+        if self.layouts is not None:
+            self._check_layouts(synchronize(self.layouts))
+        synchronize(self.handle)
         members = [i for i in range(len(bucket.params)) if i not in bucket.skipped] if bucket.skipped \
             else range(len(bucket.params))
         torch._foreach_copy_([bucket.params[i].grad for i in members], [bucket.slots[i] for i in members])
+
+    def _check_layouts(self, sums: torch.Tensor) -> None:
+        bucket = self.bucket
+        _, d, d2 = bucket.layout_moments().tolist()
+        n, sum_d, sum_d2 = sums.tolist()
+        if sum_d == n * d and sum_d2 == n * d2:
+            bucket.layout_checked = True
+            return
+        with contextlib.suppress(Exception):  # the bucket's own allreduce: done, or failed on the shapes
+            synchronize(self.handle)
+        raise ValueError(
+            f"Mismatched ALLREDUCE tensor shapes: the gradients reduced together as {bucket.name} do not have the "
+            f"same shapes on every rank; this rank's: {_short(bucket.shapes())}. Every rank must train the "
+            "same model.")
+
+
+def _short(items: list, limit: int = 8) -> str:
+    shown = ", ".join(str(list(i)) for i in items[:limit])
+    return f"[{shown}{', ...' if len(items) > limit else ''}] ({len(items)} tensors)"
 
 
 class _Reduction:
@@ -367,9 +406,11 @@ class _DistributedOptimizer:
                     bucket.slots[i].copy_(p.grad)
         prescale, postscale = predivide_scales(self.op, self.gradient_predivide_factor)
         bucket.launched = True
+        layouts = None if bucket.layout_checked else allreduce_async_(
+            bucket.layout_moments(), name=f"{bucket.name}.layout", op=Sum, process_set=self.process_set)
         handle = allreduce_async_(bucket.flat, name=bucket.name, op=self.op, prescale_factor=prescale,
                                   postscale_factor=postscale, process_set=self.process_set)
-        reduction = _BucketReduction(bucket, handle)
+        reduction = _BucketReduction(bucket, handle, layouts)
         for i, p in enumerate(bucket.params):
             if i not in bucket.skipped:
                 self._pending[p] = reduction

@@ -102,10 +102,15 @@ def test_one_request_per_bucket(monkeypatch, small_buckets):
 
     monkeypatch.setattr(hvd_optimizer, "allreduce_async_", counting)
     x, y = data(RANK)
-    F.mse_loss(model(x), y).backward()
-    opt.step()
     alone = [n for n, p in model.named_parameters() if p not in opt._bucket_of]
-    assert sorted(names) == sorted([b.name for b in opt._buckets] + alone)
+    buckets = [b.name for b in opt._buckets]
+    for step in range(2):  # the first step also checks that every rank's buckets hold the same shapes
+        names.clear()
+        opt.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        layout_checks = [f"{b}.layout" for b in buckets] if step == 0 else []
+        assert sorted(names) == sorted(buckets + alone + layout_checks)
 
 
 def test_two_losses_backward_separately(small_buckets):
@@ -171,3 +176,26 @@ def test_one_bucket_per_dtype():
     second(first(x).double()).sum().backward()
     for e, p in zip(expected_first + expected_second, list(first.parameters()) + list(second.parameters())):
         torch.testing.assert_close(p.grad, e)
+
+
+@pytest.mark.parametrize("differ", ["width", "transposed"])
+def test_models_that_differ_across_ranks_are_an_error_on_every_rank(differ):
+    """Bucketed gradients are named by the first parameter: another width on one rank stalled until the stall
+    timeout (the bucket's size was in its name), and shapes with the same number of elements were silently
+    summed slot into the wrong slot. Both are upstream's shape mismatch error, on every rank, at once."""
+    last = RANK == SIZE - 1
+    if differ == "width":
+        model = nn.Sequential(nn.Linear(4, 8 + last), nn.ReLU(), nn.Linear(8 + last, 1))
+    else:
+        model = nn.Module()
+        model.w = nn.Parameter(torch.ones((3, 2) if last else (2, 3)))
+        model.b = nn.Parameter(torch.ones(6))
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    assert len(opt._buckets) == 1
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    with pytest.raises(ValueError, match=r"Mismatched ALLREDUCE tensor shapes: .* do not have the same shapes on "
+                                         r"every rank; this rank's: \[\[.*\]\] \(\d tensors\)"):
+        opt.synchronize()
+    assert hvd.allreduce(torch.tensor([1.0]), op=hvd.Sum).item() == SIZE  # the job goes on

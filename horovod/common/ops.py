@@ -8,6 +8,7 @@ enqueues it; the sync, async, in-place and grouped variants of the adapters are 
 from __future__ import annotations
 
 import itertools
+import operator
 import warnings
 from collections.abc import Sequence
 
@@ -164,11 +165,16 @@ def broadcast(tensor, root_rank: int, output: np.ndarray | None = None, *, name:
               process_set: ProcessSet = global_process_set, wake: bool = True) -> Handle:
     """Enqueue a broadcast; ``wake=False`` when the caller waits for it right away (see :func:`allreduce`)."""
     ps_id, ranks = _set_id(process_set, RequestType.BROADCAST)
+    try:
+        root_rank = operator.index(root_rank)  # an int, numpy integer or integer 0-d tensor
+    except TypeError:
+        raise TypeError(f"broadcast's root_rank must be an int (a global rank), got {type(root_rank).__name__} "
+                        f"{root_rank!r}") from None
     if root_rank not in ranks:
         raise ValueError(f"broadcast received invalid root rank {root_rank} for provided process set")
     arr = _array(tensor)
     req = Request(RequestType.BROADCAST, ps_id, name or auto_name("broadcast", ps_id), dtype_code(arr.dtype),
-                  arr.shape, int(root_rank))
+                  arr.shape, root_rank)
     return basics.engine().enqueue_one(req, arr, output, wake)
 
 

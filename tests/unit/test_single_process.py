@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -283,6 +284,15 @@ def test_bad_alltoall_scalar_without_splits():
 def test_bad_root_rank(root):
     with pytest.raises(ValueError, match=rf"^broadcast received invalid root rank {root} for provided process set$"):
         hvd.broadcast(np.zeros(2), root)
+
+
+@pytest.mark.parametrize("root", ["0", 0.0, None])
+def test_root_rank_of_another_type(root):
+    """A string or float root rank was reported as 'invalid root rank 0', which reads as a valid rank."""
+    with pytest.raises(TypeError, match=rf"^broadcast's root_rank must be an int \(a global rank\), got "
+                                        rf"{type(root).__name__} {re.escape(repr(root))}$"):
+        hvd.broadcast(np.zeros(2), root)
+    np.testing.assert_array_equal(hvd.broadcast(np.ones(2), np.int64(0)), np.ones(2))  # integers of any kind
 
 
 def test_adasum_of_one_rank_is_its_own_tensor():

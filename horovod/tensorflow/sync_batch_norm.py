@@ -33,7 +33,9 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
 
     def _moments(self, inputs, mask):
         mean, variance = super()._moments(inputs, mask)
-        size = _basics.size() if _basics.is_initialized() else 1
+        if not _basics.is_initialized():  # not this process's statistics without a word
+            raise ValueError(_basics.NOT_INITIALIZED)
+        size = _basics.size()
         if size <= 1:
             return mean, variance
         stacked = tf.stack([mean, variance + tf.square(mean)])

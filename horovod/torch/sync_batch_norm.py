@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from horovod.common import basics
 from horovod.common.basics import Sum
 from horovod.common.process_sets import ProcessSet, global_process_set
 from horovod.torch.mpi_ops import allreduce
@@ -63,6 +64,8 @@ class SyncBatchNorm(_BatchNorm):
         else:
             factor = self.momentum
         use_batch_stats = self.training or not self.track_running_stats
+        if use_batch_stats and not basics.is_initialized():  # not this process's statistics without a word
+            raise ValueError(basics.NOT_INITIALIZED)
         if not use_batch_stats or (self.process_set.size() or 1) == 1:
             return F.batch_norm(input, self.running_mean, self.running_var, self.weight, self.bias,
                                 use_batch_stats, factor, self.eps)

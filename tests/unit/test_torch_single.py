@@ -180,3 +180,18 @@ def test_synchronous_allgather_and_broadcast_never_wake_the_engine_thread(monkey
     z = x.clone().requires_grad_()
     hvd.allgather(z, name="sync.grad").sum().backward()
     assert torch.equal(z.grad, torch.ones_like(x))
+
+
+def test_sync_batch_norm_trains_only_once_initialized():
+    """Before hvd.init() a training forward used this process's statistics without a word; upstream's
+    "not initialized" error now. Inference needs no Horovod; size 1 is plain batch norm."""
+    x = torch.randn(6, 3)
+    bn, plain = hvd.SyncBatchNorm(3), nn.BatchNorm1d(3)
+    hvd.shutdown()
+    try:
+        torch.testing.assert_close(bn.eval()(x), plain.eval()(x))
+        with pytest.raises(ValueError, match=r"^Horovod has not been initialized; use hvd.init\(\).$"):
+            bn.train()(x)
+    finally:
+        hvd.init()
+    torch.testing.assert_close(bn.train()(x), plain.train()(x))

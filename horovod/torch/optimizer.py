@@ -220,6 +220,7 @@ class _DistributedOptimizer:
         self._active = bool(process_set.included()) and (
             (set_size or 0) > 1 or read_env("HOROVOD_ELASTIC"))
         self._requires_update: list[torch.Tensor] = []
+        self._frozen: list[torch.Tensor] = []  # parameters that did not require a gradient when registered
         self._register_hooks(p for group in optimizer.param_groups for p in group["params"])
 
     # ------------------------------------------------------------------ looks like the wrapped optimizer
@@ -285,6 +286,7 @@ class _DistributedOptimizer:
         added = []
         for p in params:
             if not p.requires_grad:
+                self._frozen.append(p)
                 continue
             added.append(p)
             self._requires_update.append(p)
@@ -458,6 +460,8 @@ class _DistributedOptimizer:
         if not self._active:
             self._synchronized = True
             return
+        if self._frozen:
+            self._adopt_unfrozen()
         if self._groups is not None:
             for gid, group in enumerate(self._groups):
                 if group[0] not in self._pending:
@@ -474,6 +478,15 @@ class _DistributedOptimizer:
         finally:
             self._reset_counters()
         self._synchronized = True
+
+    def _adopt_unfrozen(self) -> None:
+        """Hook the parameters unfrozen since they were registered (fine-tuning unfreezes layers as it goes):
+        upstream never averaged them, and the ranks drifted apart without a word. This step's gradients of
+        theirs are reduced by ``synchronize()``, each alone; later steps' as any other."""
+        unfrozen = [p for p in self._frozen if p.requires_grad]
+        if unfrozen:
+            self._frozen = [p for p in self._frozen if not p.requires_grad]
+            self._register_hooks(unfrozen)
 
     def _reset_counters(self) -> None:
         self._pending.clear()

@@ -71,6 +71,31 @@ def test_equivalence_sgd_momentum():
     assert_same(*train())
 
 
+def test_a_layer_unfrozen_after_wrapping_is_averaged():
+    """Fine-tuning: the first layer is frozen when the optimizer is made and unfrozen after one step (its
+    gradients were never averaged: the ranks drifted apart). Reference: one process, whole batches."""
+    data = batch(3, ROWS * SIZE)
+    models = [make_model(), make_model()]
+    for model in models:
+        model[0].requires_grad_(False)
+    ref, model = models
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                   named_parameters=model.named_parameters())
+    for step, (x, y) in enumerate(data):
+        if step == 1:
+            ref[0].requires_grad_(True)
+            model[0].requires_grad_(True)
+        ref_opt.zero_grad()
+        F.mse_loss(ref(x), y).backward()
+        ref_opt.step()
+        opt.zero_grad()
+        F.mse_loss(model(my_rows(x, 1, 0)), my_rows(y, 1, 0)).backward()
+        opt.step()
+    assert not torch.equal(model[0].weight, make_model()[0].weight)  # it did train
+    assert_same(ref, model)
+
+
 def test_equivalence_backward_passes_per_step():
     assert_same(*train(passes=2))
 

@@ -93,6 +93,8 @@ def test_timeline_shows_every_tensor_of_every_step(tmp_path):
             for x, orig in zip(xs, small + big):
                 assert np.array_equal(x, orig * n), (step, x[:3], orig[:3])
             assert hvd.allreduce(np.ones(3), op=hvd.Sum, name="lone").tolist() == [float(n)] * 3
+            assert hvd.allgather(np.full(2, hvd.rank()), name="gather").tolist() == [r for r in range(n) for _ in "ab"]
+            assert hvd.broadcast(np.full(3, hvd.rank() + step), 1, name="bcast").tolist() == [1 + step] * 3
         hvd.barrier()
         report(ok=True)
     """
@@ -126,6 +128,11 @@ def test_timeline_shows_every_tensor_of_every_step(tmp_path):
             assert begins["GLOO_ALLREDUCE"] == STEPS, (name, begins)
             fused_somewhere |= begins["MEMCPY_IN_FUSION_BUFFER"] > 0
     assert fused_somewhere, "the large tensors were never fused"
+    for name, op, inner in (("gather", "ALLGATHER", "GLOO_ALLGATHER"), ("bcast", "BROADCAST", "GLOO_BCAST")):
+        evs = sorted(events[name], key=lambda e: e["ts"])
+        phases = [e["name"] for e in evs if e["ph"] == "B"]
+        assert phases == [f"NEGOTIATE_{op}", op, inner] * STEPS, (name, phases)  # the transport's part nested
+        assert len(phases) == sum(1 for e in evs if e["ph"] == "E"), (name, "unbalanced bars")
 
 
 def test_an_interrupted_wait_leaves_the_engine_intact(tmp_path):

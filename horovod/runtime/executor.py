@@ -87,16 +87,19 @@ class Executor:
             comm = self.communicator(resp.process_set_id)
             if rtype == RequestType.ALLREDUCE:
                 results = self._allreduce(comm, resp, entries, timeline)
-            elif rtype == RequestType.ALLGATHER:
-                results = [self._allgather(comm, resp, entries[0])]
-            elif rtype == RequestType.BROADCAST:
-                results = [self._broadcast(comm, resp, entries[0])]
-            elif rtype == RequestType.ALLTOALL:
-                results = [self._alltoall(comm, resp, entries[0])]
-            elif rtype == RequestType.REDUCESCATTER:
-                results = [self._reducescatter(comm, resp, entries[0])]
             else:
-                raise PreconditionError(f"unsupported operation {rtype}")
+                run = {RequestType.ALLGATHER: self._allgather, RequestType.BROADCAST: self._broadcast,
+                       RequestType.ALLTOALL: self._alltoall, RequestType.REDUCESCATTER: self._reducescatter,
+                       }.get(rtype)
+                if run is None:
+                    raise PreconditionError(f"unsupported operation {rtype}")
+                if timeline is not None:  # the transport's part, nested in the operation's bar as upstream
+                    timeline.begin(resp.names[0], _ACTIVITY[rtype])
+                try:
+                    results = [run(comm, resp, entries[0])]
+                finally:
+                    if timeline is not None:
+                        timeline.end(resp.names[0])
         except (ConnectionError, OSError) as error:  # the transport failed: the engine names the cause
             raise CollectiveFailure(error, entries) from error
         except BaseException as error:

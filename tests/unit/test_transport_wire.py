@@ -138,8 +138,8 @@ def test_the_deadline_counts_the_silence_after_the_last_byte(pair, receive):
             exchange([], [Transfer(b, got)], timeout)
         return got
 
-    # silent 0.6 s between chunks for 3 s in all: longer than the deadline, never silent for as long
-    sender = threading.Thread(target=trickle, args=(0.6, 5, True))
+    # silent 0.6 s between chunks for 1.8 s in all: longer than the deadline, never silent for as long
+    sender = threading.Thread(target=trickle, args=(0.6, 3, True))
     sender.start()
     np.testing.assert_array_equal(receive_all(), data)
     sender.join()

@@ -161,15 +161,21 @@ def grouped_allgather(tensors: Sequence, *, name: str | None = None,
     return _enqueue(items)
 
 
+def root_rank_index(root_rank) -> int:
+    """``root_rank`` as an int: an int, numpy integer or integer 0-d tensor; anything else (``'0'``, ``0.5``)
+    is a TypeError saying so, not a conversion to some rank or a misleading "invalid root rank"."""
+    try:
+        return operator.index(root_rank)
+    except TypeError:
+        raise TypeError(f"broadcast's root_rank must be an int (a global rank), got {type(root_rank).__name__} "
+                        f"{root_rank!r}") from None
+
+
 def broadcast(tensor, root_rank: int, output: np.ndarray | None = None, *, name: str | None = None,
               process_set: ProcessSet = global_process_set, wake: bool = True) -> Handle:
     """Enqueue a broadcast; ``wake=False`` when the caller waits for it right away (see :func:`allreduce`)."""
     ps_id, ranks = _set_id(process_set, RequestType.BROADCAST)
-    try:
-        root_rank = operator.index(root_rank)  # an int, numpy integer or integer 0-d tensor
-    except TypeError:
-        raise TypeError(f"broadcast's root_rank must be an int (a global rank), got {type(root_rank).__name__} "
-                        f"{root_rank!r}") from None
+    root_rank = root_rank_index(root_rank)
     if root_rank not in ranks:
         raise ValueError(f"broadcast received invalid root rank {root_rank} for provided process set")
     arr = _array(tensor)

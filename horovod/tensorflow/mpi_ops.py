@@ -439,7 +439,7 @@ def _broadcast_raw(tensor: tf.Tensor, root_rank: int, name: str | None, process_
     wake = _waited_at_once()
 
     def submit(arrays):
-        return Wait([_ops.broadcast(arrays[0], int(root_rank), name=name, process_set=process_set, **wake)])
+        return Wait([_ops.broadcast(arrays[0], root_rank, name=name, process_set=process_set, **wake)])
 
     out = run_collective(submit, [tensor], [tensor.dtype], "HorovodBroadcast")[0]
     out.set_shape(tensor.shape)
@@ -450,6 +450,7 @@ def _broadcast_raw(tensor: tf.Tensor, root_rank: int, name: str | None, process_
 def broadcast(tensor, root_rank: int, name: str | None = None, ignore_name_scope: bool = False,
               process_set: ProcessSet = global_process_set) -> tf.Tensor:
     """Return ``root_rank``'s ``tensor`` on every member (``root_rank`` is a global rank)."""
+    root_rank = _ops.root_rank_index(root_rank)
     tensor = _as_tensor(tensor)
     core = _core_name("HorovodBroadcast", tensor, name, ignore_name_scope)
 

@@ -663,5 +663,10 @@ def test_bad_arguments_are_invalid_argument():
         hvd.alltoall(tf.ones([n + 1]) if n > 1 else tf.ones([]))
     with pytest.raises(tf.errors.InvalidArgumentError, match="invalid root rank"):
         hvd.broadcast(tf.ones([1]), root_rank=n)
+    for root in ("1", 0.5):  # were converted by int(): rank 1, rank 0
+        with pytest.raises(TypeError, match="broadcast's root_rank must be an int"):
+            hvd.broadcast(tf.ones([1]), root_rank=root)
+        with pytest.raises(TypeError, match="broadcast's root_rank must be an int"):
+            tf.function(lambda: hvd.broadcast(tf.ones([1]), root_rank=root))()  # noqa: B023 - called at once
     with pytest.raises(NotImplementedError):
         hvd.allreduce(tf.IndexedSlices(tf.ones([1, 1]), tf.constant([0])), op=hvd.Max)

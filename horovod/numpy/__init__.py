@@ -9,7 +9,7 @@
     mean = hvd.synchronize(h)
 
 Async functions return integer handles; ``synchronize(handle)`` returns the result (``(output,
-received_splits)`` for alltoall with splits, a list for grouped handles) and raises the collective's error.
+received_splits)`` for alltoall with splits, a tuple for grouped handles) and raises the collective's error.
 """
 
 from __future__ import annotations

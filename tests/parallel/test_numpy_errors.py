@@ -174,3 +174,31 @@ def test_enqueue_time_errors_are_value_errors():
         hvd.broadcast(x, size)
     with pytest.raises(ValueError, match=r"^Tensor type complex128 is not supported\.$"):
         hvd.allreduce(np.zeros(2, np.complex128))
+
+
+class Unpicklable:
+    def __reduce__(self):
+        raise TypeError("cannot pickle Unpicklable")
+
+
+def test_an_object_that_cannot_be_pickled_is_an_error_on_every_rank():
+    """The root (or, gathering, one rank) failed to pickle before the first collective: the others waited for
+    its bytes until the stall deadline. Now its error reaches every rank at once."""
+    r, n = hvd.rank(), hvd.size()
+    root = n - 1
+    if r == root:
+        with pytest.raises(TypeError, match="^cannot pickle Unpicklable$"):
+            hvd.broadcast_object(Unpicklable(), root)
+    else:
+        with pytest.raises(ValueError, match=rf"^broadcast_object: the root rank {root} could not pickle its "
+                                             r"object: TypeError: cannot pickle Unpicklable$"):
+            hvd.broadcast_object(None, root)
+    if r == 0:
+        with pytest.raises(TypeError, match="^cannot pickle Unpicklable$"):
+            hvd.allgather_object(Unpicklable())
+    else:
+        with pytest.raises(ValueError, match=r"^allgather_object: could not pickle the object of rank 0: "
+                                             r"TypeError: cannot pickle Unpicklable$"):
+            hvd.allgather_object({"rank": r})
+    assert hvd.allgather_object({"rank": r}) == [{"rank": i} for i in range(n)]
+    assert hvd.broadcast_object({"from": root} if r == root else None, root) == {"from": root}

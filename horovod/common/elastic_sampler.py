@@ -14,8 +14,11 @@ Here the sampler keeps the *set* of processed sample indices of the epoch:
 Batch mode (``batch_size=`` given): iteration yields this rank's batches; every rank has the same number of
 steps and, unless fewer samples than ranks are left, a non-empty batch in each (the last two steps are
 rebalanced).  Index mode (no ``batch_size``, upstream's way with ``DataLoader(batch_size=...)``): iteration
-yields this rank's indices, ranks' shares differ by at most one sample, and ``record_batch`` uses the
-batch size it is given.
+yields this rank's indices and ``record_batch`` uses the batch size it is given.  As upstream, the remainder
+is padded with its first samples to a multiple of the world size, so every rank has as many indices, and
+so as many steps, as the others (shares one sample apart made one rank run a step more, and the others
+wait for its allreduce: a stall, then a reset into the same layout, forever); at most ``size - 1`` samples
+per reset are processed twice.  Batch mode is exact.
 """
 
 from __future__ import annotations
@@ -70,6 +73,14 @@ def plan_batches(remaining: list[int], num_replicas: int, batch_size: int) -> li
             pos += size
         plan.append(step)
     return plan
+
+
+def _padded(indices: list[int], num_replicas: int) -> list[int]:
+    """``indices`` followed by its first ones (cyclically) up to a multiple of ``num_replicas``."""
+    missing = -len(indices) % num_replicas
+    if not indices or not missing:
+        return indices
+    return indices + (indices * (missing // len(indices) + 1))[:missing]
 
 
 def _default_rank() -> int:
@@ -144,10 +155,11 @@ class ElasticSampler:
         self.remaining = [i for i in order if not self.processed[i]]
         self._recorded = 0
         self._plan = plan_batches(self.remaining, self.num_replicas, self.batch_size) if self.batch_size else []
+        self._padded = [] if self.batch_size else _padded(self.remaining, self.num_replicas)
 
     # ------------------------------------------------------------------ progress
     def _share(self, rank: int) -> list[int]:
-        return self.remaining[rank::self.num_replicas]
+        return self._padded[rank::self.num_replicas]
 
     def record_batch(self, batch_idx: int, batch_size: int) -> None:
         """Mark every rank's samples of steps ``0..batch_idx`` (since the last reset) as processed.

@@ -43,14 +43,15 @@ def test_exactly_once_across_failures_and_resizes(seed, batch_size):
     bs = batch_size or 3
     size = rng.randint(1, 4)
     seen = np.zeros(n_samples, np.int64)
-    committed = (0, None, seen.copy())  # epoch, sampler state, model
-    epoch, state = 0, None
+    committed = (0, None, seen.copy(), 0)  # epoch, sampler state, model, padding in it
+    epoch, state, padding = 0, None, 0
     while epoch < epochs:
         samplers = _world(state, size, n_samples, batch_size, epoch)
         per_rank = [list(s) if batch_size else [list(s)[i:i + bs] for i in range(0, len(s), bs)] for s in samplers]
         steps = len(per_rank[0])
-        if batch_size:
-            assert all(len(p) == steps for p in per_rank)
+        assert all(len(p) == steps for p in per_rank)  # index mode too: a step more on one rank is a stall
+        if not batch_size:
+            padding += size - 1  # index mode pads the remainder to a multiple of the world size
         fail_at = rng.randint(0, steps + 2) if rng.random() < 0.6 else None
         failed = False
         for step in range(max(len(p) for p in per_rank)):
@@ -63,15 +64,18 @@ def test_exactly_once_across_failures_and_resizes(seed, batch_size):
             for s in samplers:
                 s.record_batch(step, bs)
             if rng.random() < 0.5:  # commit
-                committed = (epoch, samplers[0].state_dict(), seen.copy())
+                committed = (epoch, samplers[0].state_dict(), seen.copy(), padding)
         if failed:
-            epoch, state, seen = committed[0], committed[1], committed[2].copy()
+            epoch, state, seen, padding = committed[0], committed[1], committed[2].copy(), committed[3]
             size = rng.randint(1, 4)
             continue
         epoch += 1
         state = samplers[0].state_dict()
-        committed = (epoch, state, seen.copy())
-    assert seen.tolist() == [epochs] * n_samples
+        committed = (epoch, state, seen.copy(), padding)
+    if batch_size:
+        assert seen.tolist() == [epochs] * n_samples  # exactly once
+    else:  # at least once; twice only for the padding of the resets that the final model saw
+        assert seen.min() == epochs and seen.sum() - epochs * n_samples <= padding, (seen, padding)
 
 
 def test_set_epoch_same_epoch_keeps_progress():

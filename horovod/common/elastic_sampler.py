@@ -9,7 +9,7 @@ Here the sampler keeps the *set* of processed sample indices of the epoch:
   ``0..i`` since the last reset, with no communication;
 * the processed set is part of the state: commit it together with the model after the optimizer step, and
   a restore rolls both back together, so uncommitted samples are processed again exactly once;
-* after a reset only the unprocessed remainder is partitioned over the new world, without padding.
+* after a reset only the unprocessed remainder is partitioned over the new world (batch mode: without padding).
 
 Batch mode (``batch_size=`` given): iteration yields this rank's batches; every rank has the same number of
 steps and, unless fewer samples than ranks are left, a non-empty batch in each (the last two steps are

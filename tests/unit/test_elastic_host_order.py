@@ -98,3 +98,72 @@ def test_discovery_script_garbage_names_the_script_and_line(tmp_path, line, prob
         HostDiscoveryScript(script, slots=1).find_available_hosts_and_slots()
     assert str(e.value).startswith(f"Discovery script {script} printed {line!r}: ")
     assert problem in str(e.value)
+
+
+def test_discovery_script_that_hangs_is_killed_whole_and_its_stderr_shown(tmp_path, capfd):
+    """A timed-out script used to lose only its shell: the script and its children outlived horovodrun. And a
+    failing script's own words (stderr) were swallowed."""
+    import os
+    import time
+
+    from horovod.runner.elastic.discovery import HostDiscoveryScript
+
+    pid_file = tmp_path / "child.pid"
+    hang = tmp_path / "hang.sh"
+    hang.write_text(f"#!/bin/sh\nsleep 60 &\necho $! > {pid_file}\nwait\n")
+    hang.chmod(0o755)
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"^Failed to execute discovery script: .*timed out after 1 s$"):
+        HostDiscoveryScript(str(hang), slots=1, timeout=1.0).find_available_hosts_and_slots()
+    assert time.monotonic() - started < 5
+    child = int(pid_file.read_text())
+    for _ in range(50):  # reaped by init once killed
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.05)
+    else:
+        pytest.fail(f"the script's child {child} survived its timeout")
+
+    failing = tmp_path / "failing.sh"
+    failing.write_text("#!/bin/sh\necho 'no inventory service' >&2\nexit 3\n")
+    failing.chmod(0o755)
+    with pytest.raises(RuntimeError, match=r"Exit code: 3$"):
+        HostDiscoveryScript(str(failing), slots=1).find_available_hosts_and_slots()
+    assert "no inventory service" in capfd.readouterr().err
+
+
+def test_a_slow_discovery_does_not_hold_up_the_driver_loop():
+    """The driver runs discovery on a thread and takes its answer when it is there (a hung script held the
+    loop that notices dead workers for the script's timeout)."""
+    import threading
+    import time
+
+    from horovod.runner.elastic.driver import ElasticDriver
+
+    release = threading.Event()
+
+    class Slow(_Discovery):
+        calls = 0
+
+        def find_available_hosts_and_slots(self):
+            Slow.calls += 1
+            if Slow.calls > 1:
+                release.wait(10)
+            return dict(self.hosts)
+
+    discovery = Slow({"a": 1})
+    driver = ElasticDriver(discovery, ["true"], num_proc=1, min_np=1, max_np=None, base_env={}, knobs={},
+                           start_timeout=10, elastic_timeout=10, reset_limit=None, cooldown_range=None)
+    driver.hosts.update_available_hosts()
+    last = [0.0]
+    started = time.monotonic()
+    driver._discover(last)  # starts the slow call
+    discovery.hosts = {"a": 1, "b": 2}
+    driver._discover(last)
+    assert time.monotonic() - started < 1 and _names(driver.hosts) == ["a"]
+    release.set()
+    driver._discovery_call.join(5)
+    driver._discover(last)  # takes the answer
+    assert _names(driver.hosts) == ["a", "b"]

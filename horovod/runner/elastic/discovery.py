@@ -10,10 +10,13 @@ good without ``--blacklist-cooldown-range``, else for ``lo * 2**count + U(0, 1) 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
+import os
 import random
 import re
+import signal
 import subprocess
 import time
 from collections.abc import Callable
@@ -40,6 +43,9 @@ class HostDiscovery:
         """
         raise NotImplementedError
 
+    def close(self) -> None:
+        """Stop a discovery still running (the job is over)."""
+
 
 class HostDiscoveryScript(HostDiscovery):
     """Runs the user's script; a bare ``host`` line gets ``slots`` slots."""
@@ -48,18 +54,26 @@ class HostDiscoveryScript(HostDiscovery):
         self.script = script
         self.slots = slots or 1
         self.timeout = timeout
+        self._running: subprocess.Popen | None = None
 
     def find_available_hosts_and_slots(self) -> dict[str, int]:
+        # A session of its own, killed whole on a timeout: killing the shell alone left the script and its
+        # children running after horovodrun (one more per timed-out call).  Its stderr reaches the user.
+        proc = subprocess.Popen(self.script, shell=True, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
+        self._running = proc
         try:
-            proc = subprocess.run(self.script, shell=True, capture_output=True,
-                                  timeout=self.timeout, stdin=subprocess.DEVNULL)
+            stdout, _ = proc.communicate(timeout=self.timeout)
         except subprocess.TimeoutExpired:
+            self._kill(proc)
             raise RuntimeError(f"Failed to execute discovery script: {self.script}. Exit code: timed out "
                                f"after {self.timeout:.0f} s") from None
+        finally:
+            self._running = None
         if proc.returncode != 0:
             raise RuntimeError(f"Failed to execute discovery script: {self.script}. Exit code: {proc.returncode}")
         hosts: dict[str, int] = {}
-        for raw in proc.stdout.decode(errors="replace").splitlines():
+        for raw in stdout.decode(errors="replace").splitlines():
             line = raw.strip()
             if not line:
                 continue
@@ -75,6 +89,18 @@ class HostDiscoveryScript(HostDiscovery):
                 raise ValueError(f"Discovery script {self.script} printed {line!r}: expected 'host' or "
                                  f"'host:slots' on each line")
         return hosts
+
+
+    @staticmethod
+    def _kill(proc: subprocess.Popen) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+
+    def close(self) -> None:
+        proc = self._running
+        if proc is not None:
+            self._kill(proc)
 
 
 class FixedHosts(HostDiscovery):
@@ -112,8 +138,11 @@ class HostManager:
 
     def update_available_hosts(self) -> bool:
         """Run discovery; True if the usable hosts changed.  Discovery errors propagate."""
+        return self.apply(self.discovery.find_available_hosts_and_slots())
+
+    def apply(self, found: dict[str, int]) -> bool:
+        """Take ``found`` (a discovery's answer) as the current hosts; True if the usable hosts changed."""
         before = self.usable_hosts()
-        found = self.discovery.find_available_hosts_and_slots()
         # A host that left discovery (or was blacklisted, see blacklist()) queues up behind the others when it
         # comes back: rank 0 must stay on a host whose worker kept the job's state, which sync() broadcasts.
         self._order = [h for h in self._order if h in found]

@@ -89,6 +89,22 @@ def _plan(hosts: list[hosts_mod.HostInfo], max_np: int | None) -> _Plan:
     return _Plan({f"{s.hostname}:{s.local_rank}": s for s in slots})
 
 
+class _DiscoveryCall(threading.Thread):
+    """One run of the discovery; ``answer`` is ``{host: slots}`` or the exception, once it has ended."""
+
+    def __init__(self, discovery: HostDiscovery) -> None:
+        super().__init__(name="horovod-elastic-discovery", daemon=True)
+        self.discovery = discovery
+        self.answer: dict[str, int] | BaseException = RuntimeError("discovery still running")
+        self.start()
+
+    def run(self) -> None:
+        try:
+            self.answer = self.discovery.find_available_hosts_and_slots()
+        except Exception as e:  # noqa: BLE001 - handed to the driver's loop
+            self.answer = e
+
+
 class ElasticDriver:
     """Runs one elastic job; see the module docstring.  :meth:`run` returns on success or raises."""
 
@@ -132,6 +148,7 @@ class ElasticDriver:
         self._out = self.output.stdout or OutputSink(sys.stdout)
         self._err = self.output.stderr or OutputSink(sys.stderr)
         self._next_label = 0
+        self._discovery_call: _DiscoveryCall | None = None
 
     # ------------------------------------------------------------------ store helpers
     def _put(self, key: str, value: str) -> None:
@@ -174,6 +191,7 @@ class ElasticDriver:
                 return None
             return [self.server.get(f"{self.result_scope}/{rank}") for rank in range(len(self.plan.slots))]
         finally:
+            self.hosts.discovery.close()
             self._terminate_all()
             self.server.stop()
 
@@ -210,14 +228,23 @@ class ElasticDriver:
             raise spawn.Interrupted(getattr(self.stop_event, "signum", signal.SIGTERM))
 
     def _discover(self, last: list[float]) -> None:
-        now = time.monotonic()
-        if now - last[0] < DISCOVER_HOSTS_FREQUENCY_SECS:
+        """Start a discovery every :data:`DISCOVER_HOSTS_FREQUENCY_SECS` on a thread of its own (as upstream)
+        and take its answer when it is there: a slow or hung script must not hold up the loop that notices
+        failed workers (it did, for the script's 30 s timeout)."""
+        running = self._discovery_call
+        if running is not None:
+            if running.is_alive():
+                return
+            self._discovery_call = None
+            last[0] = time.monotonic()
+            if isinstance(running.answer, BaseException):  # after the first call a failing script only logs
+                logger.warning("elastic: host discovery failed, keeping the last known hosts: %s", running.answer)
+            else:
+                self.hosts.apply(running.answer)
             return
-        last[0] = now
-        try:
-            self.hosts.update_available_hosts()
-        except Exception as e:  # noqa: BLE001 - after the first call a failing script only logs (upstream)
-            logger.warning("elastic: host discovery failed, keeping the last known hosts: %s", e)
+        if time.monotonic() - last[0] < DISCOVER_HOSTS_FREQUENCY_SECS:
+            return
+        self._discovery_call = _DiscoveryCall(self.hosts.discovery)
 
     def _wait_for_slots(self, needed: int, why: str) -> None:
         """Until the usable hosts offer ``needed`` slots; says so in the log when it has to wait (after

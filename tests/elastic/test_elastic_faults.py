@@ -162,3 +162,27 @@ def test_every_host_failed_names_the_first_failed_worker(tmp_path):
     assert out.returncode == 3, text
     assert "Horovod detected that one or more processes exited with non-zero status" in text
     assert "Process name: 0\nExit code: 3\n(All hosts are blacklisted; 1 slots needed to continue.)" in text
+
+
+def test_a_rank_failing_after_another_succeeded_fails_the_job_and_output_files_are_written(tmp_path):
+    """As upstream (and as a static job): a rank of the final generation that exits non-zero after another one
+    succeeded fails the job (it exited 0); ``--output-filename`` writes every rank's output, as in a static job
+    (elastic jobs ignored it)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "discover.sh"
+    script.write_text("#!/bin/sh\necho localhost:2\n")
+    script.chmod(0o755)
+    body = ("import sys, time, numpy as np, horovod.numpy as hvd\nhvd.init()\n"
+            "print('rank', hvd.rank(), 'sum', hvd.allreduce(np.ones(1), op=hvd.Sum)[0], flush=True)\n"
+            "if hvd.rank() == 1:\n    time.sleep(1)\n    sys.exit(5)\n")
+    out = subprocess.run([sys.executable, "-m", "horovod.runner", "-np", "2", "--min-np", "1", "--output-filename",
+                          "logs", "--host-discovery-script", str(script), sys.executable, "-c", body],
+                         capture_output=True, text=True, timeout=90, cwd=str(tmp_path))
+    text = out.stdout + out.stderr
+    assert out.returncode == 5, text
+    assert "Horovod detected that one or more processes exited with non-zero status" in text
+    assert "Process name: 1\nExit code: 5\n" in text
+    for rank in (0, 1):
+        assert (tmp_path / "logs" / f"rank.{rank}" / "stdout").read_text() == f"rank {rank} sum 2.0\n"

@@ -41,7 +41,7 @@ from horovod.runner.elastic.discovery import (
     HostManager,
 )
 from horovod.runner.job import JobSpec
-from horovod.runner.output import OutputSink, forward_stream
+from horovod.runner.output import OutputSink, forward_stream, rank_dir_name
 from horovod.runner.worker_env import worker_env
 
 __all__ = ["ElasticDriver", "run_elastic", "RESET_LIMIT_MESSAGE", "DEFAULT_GRACE_SECONDS"]
@@ -142,6 +142,7 @@ class ElasticDriver:
         self.reset_count = 0
         self.workers: dict[str, _Worker] = {}
         self.first_failure: tuple[int, int] | None = None  # (rank, exit code) of the first worker that failed
+        self.late_failure: tuple[int, int] | None = None  # the first to exit non-zero after one succeeded
         self._exits: queue.Queue[tuple[_Worker, int]] = queue.Queue()
         self._hosts_ts = 0.0
         self._notice_ts = 0.0
@@ -166,7 +167,8 @@ class ElasticDriver:
             ``<result_scope>/<rank>`` (None where nothing), in rank order; else None.
 
         Raises:
-            spawn.JobFailure: no worker succeeded (upstream's message names the first failure).
+            spawn.JobFailure: no worker succeeded (upstream's message names the first failure), or one exited
+                non-zero after another succeeded.
             RuntimeError: reset limit, no slots, discovery failing on the first call.
             spawn.Interrupted: ``stop_event`` was set.
         """
@@ -187,6 +189,8 @@ class ElasticDriver:
             self._wait_for_slots(self.num_proc, "to start")
             self._new_generation(survivors=set())
             self._loop()
+            if self.late_failure is not None:
+                raise spawn.JobFailure(*self.late_failure)
             if self.result_scope is None:
                 return None
             return [self.server.get(f"{self.result_scope}/{rank}") for rank in range(len(self.plan.slots))]
@@ -305,8 +309,9 @@ class ElasticDriver:
                         succeeded = True
                         success_deadline = time.monotonic() + self.elastic_timeout
                     continue
-                if succeeded:
+                if succeeded:  # the job fails all the same (upstream: any final worker's non-zero exit)
                     logger.warning("elastic: %s exited with %d after the job succeeded", worker.slot, code)
+                    self.late_failure = self.late_failure or (assigned.rank, code)
                     continue
                 self._failed(worker, f"exited with status code {code}")
                 if reset_started is None:
@@ -446,8 +451,11 @@ class ElasticDriver:
         label = s.rank if self.generation == 0 else self._next_label
         self._next_label = max(self._next_label, label + 1, len(self.plan.slots))
         readers = []
-        for stream, sink, name in ((proc.stdout, self._out, "stdout"), (proc.stderr, self._err, "stderr")):
-            t = threading.Thread(target=_forward, args=(stream, sink, label, name, self.output.prefix_timestamp),
+        copies = self._output_files(s.rank)
+        for stream, sink, name, copy in ((proc.stdout, self._out, "stdout", copies[0]),
+                                         (proc.stderr, self._err, "stderr", copies[1])):
+            t = threading.Thread(target=_forward, args=(stream, sink, label, name, self.output.prefix_timestamp,
+                                                        copy),
                                  name=f"horovod-elastic-{slot}-{name}", daemon=True)
             t.start()
             readers.append(t)
@@ -456,6 +464,15 @@ class ElasticDriver:
         threading.Thread(target=lambda: self._exits.put((worker, proc.wait())), daemon=True,
                          name=f"horovod-elastic-wait-{slot}").start()
         logger.debug("elastic: started %s as rank %d (pid %d)", slot, s.rank, proc.pid)
+
+    def _output_files(self, rank: int) -> tuple[Any, Any]:
+        """``--output-filename``: ``DIR/rank.<rank>/{stdout,stderr}`` as in a static job, appended to, so a
+        worker that takes over a rank after a reset adds to what the rank wrote before."""
+        if not self.output.output_dir:
+            return None, None
+        rank_dir = os.path.join(self.output.output_dir, rank_dir_name(rank, max(self.num_proc, self.max_np or 0)))
+        os.makedirs(rank_dir, exist_ok=True)
+        return open(os.path.join(rank_dir, "stdout"), "ab"), open(os.path.join(rank_dir, "stderr"), "ab")
 
     def _kill(self, worker: _Worker, sig: int) -> None:
         try:
@@ -481,11 +498,13 @@ class ElasticDriver:
                 t.join(timeout=max(0.0, deadline - time.monotonic()))
 
 
-def _forward(stream: Any, sink: OutputSink, label: int, name: str, timestamp: bool) -> None:
+def _forward(stream: Any, sink: OutputSink, label: int, name: str, timestamp: bool, copy_to: Any = None) -> None:
     try:
-        forward_stream(stream, sink, label, name, timestamp=timestamp)
+        forward_stream(stream, sink, label, name, timestamp=timestamp, copy_to=copy_to)
     finally:
         stream.close()
+        if copy_to is not None:
+            copy_to.close()
 
 
 def _discovery(job: JobSpec) -> HostDiscovery:
@@ -529,7 +548,8 @@ def run_elastic(job: JobSpec, stop_event: threading.Event | None = None) -> list
         knobs=job.knob_env(), start_timeout=job.start_timeout_seconds(),
         elastic_timeout=job.elastic_timeout_seconds(), reset_limit=job.reset_limit,
         cooldown_range=job.cooldown_range, nics=job.nics, stop_event=stop_event, ssh_options=ssh_options,
-        output=spawn.OutputOptions(prefix_timestamp=job.prefix_output_with_timestamp), store_items=store_items,
+        output=spawn.OutputOptions(prefix_timestamp=job.prefix_output_with_timestamp,
+                                   output_dir=job.output_filename), store_items=store_items,
         result_scope=run_func.RESULT_SCOPE if job.run_func is not None else None)
     try:
         payloads = driver.run()

@@ -186,3 +186,18 @@ def test_a_rank_failing_after_another_succeeded_fails_the_job_and_output_files_a
     assert "Process name: 1\nExit code: 5\n" in text
     for rank in (0, 1):
         assert (tmp_path / "logs" / f"rank.{rank}" / "stdout").read_text() == f"rank {rank} sum 2.0\n"
+
+
+def test_a_job_never_starts_below_min_np(tmp_path):
+    """-np 1 --min-np 2 on one slot ran with one worker without a word; it waits for --min-np slots."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "discover.sh"
+    script.write_text("#!/bin/sh\necho localhost:1\n")
+    script.chmod(0o755)
+    out = subprocess.run([sys.executable, "-m", "horovod.runner", "-np", "1", "--min-np", "2", "--elastic-timeout", "2",
+                          "--host-discovery-script", str(script), sys.executable, "-c", "print('started')"],
+                         capture_output=True, text=True, timeout=60, cwd=str(tmp_path))
+    assert out.returncode != 0 and "started" not in out.stdout, out.stdout + out.stderr
+    assert "Timed out waiting for 2 slots to start (found 1; --elastic-timeout 2 s)." in out.stderr

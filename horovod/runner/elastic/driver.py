@@ -186,7 +186,7 @@ class ElasticDriver:
         try:
             for key, value in self.store_items.items():
                 self.server.put(key, value)
-            self._wait_for_slots(self.num_proc, "to start")
+            self._wait_for_slots(max(self.num_proc, self.min_np), "to start")  # never below --min-np
             self._new_generation(survivors=set())
             self._loop()
             if self.late_failure is not None:

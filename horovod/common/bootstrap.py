@@ -160,11 +160,12 @@ def topology_from_mpi(job) -> Topology:
                     cross_rank=job.cross_rank, cross_size=job.cross_size, hostname=job.hostname)
 
 
-class GenerationMismatch(PeerFailure):
+class GenerationMismatch(PeerFailure, ValueError):
     """A peer is not in this rank's generation of ``init()`` (or reported that its ``init()`` failed).
 
     ``peer`` is that rank; the message names both generations.  Raised instead of waiting out the start
-    timeout when the peer has already moved past this generation or failed it, else at the timeout.
+    timeout when the peer has already moved past this generation or failed it, else at the timeout.  A
+    ``ValueError`` too: upstream's ``init()`` fails with one, and scripts catch that.
     """
 
     def __init__(self, peer: int, message: str) -> None:

@@ -198,7 +198,12 @@ def load_config_file(filename: str) -> dict[str, Any]:
     except ImportError:
         data = _parse_simple_yaml(text, filename)
     else:
-        data = yaml.safe_load(text) or {}
+        try:
+            data = yaml.safe_load(text) or {}
+        except yaml.YAMLError as e:  # a one-line error naming the file, as for every other config problem
+            mark, problem = getattr(e, "problem_mark", None), getattr(e, "problem", None)
+            where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+            raise ValueError(f"config file {filename} is not valid YAML: {where}{problem or e}") from None
     if not isinstance(data, dict):
         raise ValueError(f"config file {filename} must contain a mapping, got {type(data).__name__}")
     _check_config_keys(data, filename)

@@ -337,6 +337,7 @@ def test_zero_deadline_flags():
     ("fusion_threshold_mb: 32\n", "'fusion_threshold_mb' (did you mean 'params.fusion_threshold_mb'?)"),
     ("stall_checks:\n  enabled: false\n", "'stall_checks' (did you mean 'stall_check'?)"),
     ("params: 32\n", "'params' must be a section"),
+    ("params: [1,2\n", "is not valid YAML: line 2, column 1: expected ',' or ']', but got '<stream end>'"),
 ])
 def test_config_file_values_are_checked(tmp_path, line, problem):
     path = tmp_path / "c.yaml"

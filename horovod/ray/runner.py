@@ -26,6 +26,7 @@ import dataclasses
 import json
 import logging
 import os
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -36,6 +37,10 @@ from horovod.ray.worker import BaseHorovodWorker
 __all__ = ["RayExecutor", "MiniSettings", "WorkerDiedError"]
 
 logger = logging.getLogger(__name__)
+
+EARLY_RETURN_GRACE_S = 5.0
+"""How long after a rank's function returned the others may still run before the returned ranks leave the job
+(see :meth:`RayExecutor._leave_after_return`)."""
 
 _STATE_KEY = "init/state.{rank}"  # horovod.common.bootstrap: what a rank publishes about its init() attempts
 
@@ -360,8 +365,11 @@ class RayExecutor:
         results: dict[int, Any] = {}
         errors: dict[int, BaseException] = {}
         pending = list(refs)
+        first_return: float | None = None
+        left: list[int] = []  # ranks that returned and then left the job, the others still running
         while pending:
-            done, pending = ray.wait(pending, num_returns=1, timeout=0.5 if errors else None, fetch_local=False)
+            watching = bool(errors) or (bool(results) and not left)
+            done, pending = ray.wait(pending, num_returns=1, timeout=0.5 if watching else None, fetch_local=False)
             for ref in done:
                 rank = rank_of[ref]
                 try:
@@ -370,6 +378,19 @@ class RayExecutor:
                     errors[rank] = e
             for rank, e in errors.items():  # again each round: a peer may reach hvd.init() only later
                 self._release_waiters(rank, e)
+            if results and pending and not errors and not left:
+                first_return = first_return or time.monotonic()
+                if time.monotonic() - first_return > EARLY_RETURN_GRACE_S:
+                    left = self._leave_after_return(sorted(results))
+        if left:
+            note = (f"horovod.ray: ranks {left} had returned from the function {EARLY_RETURN_GRACE_S:.0f} s before "
+                    "the others and then left the job, as a process that exits does: a collective the others "
+                    "were waiting in (or started later) could never complete")
+            for e in errors.values():
+                if hasattr(e, "add_note"):
+                    e.add_note(note)
+            if not errors:
+                self._realign()  # the next run's init() is the same generation on every rank
         if not errors:
             return [results[r] for r in ranks]
         died = sorted(r for r, e in errors.items() if isinstance(e, ray.exceptions.RayActorError))
@@ -388,6 +409,15 @@ class RayExecutor:
         if others and hasattr(err, "add_note"):
             err.add_note(f"horovod.ray: ranks {others} failed too (their errors follow from rank {root}'s)")
         raise err
+
+    def _leave_after_return(self, returned: list[int]) -> list[int]:
+        """Ranks whose function returned while others still run leave the job (their actors are idle): a peer
+        waiting in a collective they will never join fails at once, as when a process of a static job exits,
+        instead of waiting for the stall deadline; a peer with only local work left is not affected."""
+        ray.get([self.workers[r].leave_job.remote() for r in returned])
+        logger.info("horovod.ray: ranks %s returned %.0f s before the others; they left the job", returned,
+                    EARLY_RETURN_GRACE_S)
+        return returned
 
     def _release_waiters(self, rank: int, error: BaseException) -> None:
         """A rank failed: if others wait in ``hvd.init()`` for it, tell them through the store at once."""

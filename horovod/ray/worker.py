@@ -118,6 +118,10 @@ class BaseHorovodWorker:
         with basics._lock:
             basics._generation = max(basics._generation, generation)
 
+    def leave_job(self) -> None:
+        """Leave the Horovod job (the driver's call after this rank's function returned before the others')."""
+        self._leave_job()
+
     @staticmethod
     def _leave_job() -> None:
         """This rank's own ``hvd.shutdown()`` if it is in a job (ends the generation for every rank)."""

@@ -182,6 +182,40 @@ def test_failing_rank_is_named_and_executor_runs_again(before_init):
         ex.shutdown()
 
 
+def _returns_early_on_rank_zero(rounds_after: int):
+    import horovod.numpy as hvd
+
+    hvd.init()
+    if hvd.rank() == 0:
+        return "returned"
+    time.sleep(6)  # past the grace: rank 0 has left by now
+    for i in range(rounds_after):  # rank 0 will never join these
+        hvd.allreduce(np.ones(2), name=f"after.{i}")
+    return "local work done"
+
+
+@pytest.mark.parametrize("rounds_after", [0, 1], ids=["local_work", "collective"])
+def test_a_rank_returning_before_the_others(rounds_after):
+    """Rank 0's function returns while the others still run. A peer that then waits in a collective rank 0 will
+    never join failed only at the stall deadline (300 s; upstream: never): rank 0 leaves the job after a
+    grace, as a process that exits, so the peer fails at once. A peer with only local work left finishes.
+    Either way the next run works."""
+    ex = RayExecutor(_settings(timeout_s=60), num_workers=2)
+    ex.start()
+    try:
+        start = time.monotonic()
+        if rounds_after:
+            with pytest.raises(Exception, match=r"Cause: rank 0 called shutdown\(\)") as e:
+                ex.run(_returns_early_on_rank_zero, args=[rounds_after])
+            assert "had returned from the function" in "".join(getattr(e.value, "__notes__", []))
+        else:
+            assert ex.run(_returns_early_on_rank_zero, args=[0]) == ["returned", "local work done"]
+        assert time.monotonic() - start < 30
+        _check(ex.run(_collectives, args=[1.0]), 2, 1.0)
+    finally:
+        ex.shutdown()
+
+
 def _slow_training():
     import horovod.numpy as hvd
 

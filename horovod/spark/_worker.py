@@ -50,6 +50,8 @@ def main() -> int:
             text = f"cannot fetch the function to run: {e}\n"
         sys.stderr.write(text)
         _write(error_file, f"{type(e).__name__}: {e}\n{text}".encode("utf-8", "replace"))
+        if isinstance(e, SystemExit) and isinstance(e.code, int) and e.code:  # sys.exit(N): N, as a process
+            return e.code
         return 1
     _write(result_file, payload)
     return 0

@@ -234,6 +234,7 @@ def _worker_env(settings: TaskSettings, assignment: dict[str, Any], gpus: list[s
         "HOROVOD_START_TIMEOUT": str(assignment["start_timeout"]),
         "PYTHONUNBUFFERED": "1",
         "PYTHONPATH": _python_path(),
+        "HOROVOD_SPARK_WORK_DIR": os.getcwd(),  # where the worker runs (upstream: the driver's directory)
         auth.SECRET_KEY_ENV: settings.key.hex(),
         GPUS_ENV: ",".join(gpus),
         RESULT_ENV: result_file,

@@ -107,7 +107,7 @@ def _numpy_job(base: float) -> dict:
     return {"leaked": leaked, "key": key, "rank": rank, "size": size, "local_rank": hvd.local_rank(),
             "local_size": hvd.local_size(),
             "cross_rank": hvd.cross_rank(), "cross_size": hvd.cross_size(), "sum": summed, "gathered": gathered,
-            "env": env, "pid": os.getpid()}
+            "env": env, "pid": os.getpid(), "work_dir": (os.environ.get("HOROVOD_SPARK_WORK_DIR"), os.getcwd())}
 
 
 def _torch_job(x: np.ndarray, y: np.ndarray, w0: np.ndarray, b0: float, lr: float, steps: int) -> tuple:
@@ -161,6 +161,8 @@ def _failing_job(message: str) -> None:
 
     hvd.init()
     if hvd.rank() == 1:
+        if message.startswith("exit:"):
+            sys.exit(int(message[5:]))
         raise ValueError(message)
     time.sleep(300)  # rank 0 never ends by itself: the driver must stop it
 
@@ -242,6 +244,7 @@ def test_numpy_results_in_rank_order_with_output(spark, marker):
         np.testing.assert_array_equal(res["sum"], expected_sum)
         np.testing.assert_array_equal(res["gathered"], expected_gather)
         assert res["env"] == {"HOROVOD_TEST_SPARK_EXTRA": "7", "HOROVOD_TEST_SPARK_UNSET": None}
+        assert res["work_dir"] == (os.getcwd(), os.getcwd())  # upstream's variable: local[2] runs here
     assert results[0]["pid"] != results[1]["pid"]
     assert results[0]["key"] == results[1]["key"] and len(results[0]["key"]) == 64
     assert results[0]["leaked"] == results[1]["leaked"] == []
@@ -316,17 +319,22 @@ def test_second_run_in_same_session_default_num_proc(spark, marker):
     assert second[1]["env"] == {"HOROVOD_TEST_SPARK_EXTRA": None, "HOROVOD_TEST_SPARK_UNSET": "executor"}
 
 
-def test_failing_rank_is_named_and_others_stopped(spark, marker):
+@pytest.mark.parametrize("failure", ["spark-test-boom", "exit:7"])
+def test_failing_rank_is_named_and_others_stopped(spark, marker, failure):
+    """A rank raising, or calling sys.exit(7) (reported as exit code 1 before, unlike a process of a static job)."""
     import horovod.spark
 
     started = time.monotonic()
     with pytest.raises(RuntimeError) as info:
-        horovod.spark.run(_failing_job, args=("spark-test-boom",), num_proc=2, env={MARKER: marker},
+        horovod.spark.run(_failing_job, args=(failure,), num_proc=2, env={MARKER: marker},
                           stdout=io.StringIO(), stderr=io.StringIO())
     text = str(info.value)
     assert text.startswith("Horovod detected that one or more processes exited with non-zero status")
-    assert "Process name: 1\nExit code: 1\n" in text
-    assert "ValueError: spark-test-boom" in text
+    if failure.startswith("exit:"):
+        assert "Process name: 1\nExit code: 7\n" in text and "SystemExit: 7" in text
+    else:
+        assert "Process name: 1\nExit code: 1\n" in text
+        assert "ValueError: spark-test-boom" in text
     assert time.monotonic() - started < 60  # rank 0 would sleep 300 s
     assert not _wait_gone(marker, 10.0)
 

@@ -160,7 +160,10 @@ def rendezvous() -> Any:
         raise ValueError("Horovod elastic initialization failed: no rendezvous address or job key in the "
                          "environment. Start the job with horovodrun.")
     store = StoreClient(addr, port, key, timeout=10.0)
-    deadline = time.monotonic() + read_env("HOROVOD_ELASTIC_TIMEOUT")
+    # The driver's own deadline for slots starts after a reset's grace period, later than this wait: give it
+    # that long and more, so that the driver (which knows why: too few slots) ends the job, not this worker
+    # with a "is the driver still running?" that blamed the driver.
+    deadline = time.monotonic() + read_env("HOROVOD_ELASTIC_TIMEOUT") + read_env("HOROVOD_ELASTIC_GRACE_SECONDS") + 10
     mesh_timeout = start_timeout()
     slot = slot_name()
     host, _, local_rank = slot.rpartition(":")

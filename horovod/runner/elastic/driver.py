@@ -195,7 +195,9 @@ class ElasticDriver:
                 return None
             return [self.server.get(f"{self.result_scope}/{rank}") for rank in range(len(self.plan.slots))]
         finally:
-            self.hosts.discovery.close()
+            close = getattr(self.hosts.discovery, "close", None)  # duck-typed discoveries (Spark's) have none
+            if close is not None:
+                close()
             self._terminate_all()
             self.server.stop()
 

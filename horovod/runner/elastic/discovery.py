@@ -66,6 +66,7 @@ class HostDiscoveryScript(HostDiscovery):
             stdout, _ = proc.communicate(timeout=self.timeout)
         except subprocess.TimeoutExpired:
             self._kill(proc)
+            proc.communicate()
             raise RuntimeError(f"Failed to execute discovery script: {self.script}. Exit code: timed out "
                                f"after {self.timeout:.0f} s") from None
         finally:
@@ -90,15 +91,13 @@ class HostDiscoveryScript(HostDiscovery):
                                  f"'host:slots' on each line")
         return hosts
 
-
     @staticmethod
     def _kill(proc: subprocess.Popen) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
 
     def close(self) -> None:
-        proc = self._running
+        proc = self._running  # the discovery thread, in communicate(), reaps it
         if proc is not None:
             self._kill(proc)
 

@@ -197,12 +197,14 @@ class OutputOptions:
     stderr: OutputSink | None = None
 
 
-def _open_output_files(options: OutputOptions, rank: int, num_proc: int) -> tuple[BinaryIO, BinaryIO] | None:
+def open_output_files(options: OutputOptions, rank: int, num_proc: int,
+                      mode: str = "wb") -> tuple[BinaryIO, BinaryIO] | None:
+    """``--output-filename``: ``DIR/rank.<rank>/{stdout,stderr}``, or None without an output directory."""
     if not options.output_dir:
         return None
     rank_dir = os.path.join(options.output_dir, rank_dir_name(rank, num_proc))
     os.makedirs(rank_dir, exist_ok=True)
-    return open(os.path.join(rank_dir, "stdout"), "wb"), open(os.path.join(rank_dir, "stderr"), "wb")
+    return open(os.path.join(rank_dir, "stdout"), mode), open(os.path.join(rank_dir, "stderr"), mode)
 
 
 def run_workers(specs: Sequence[WorkerSpec], spawner: Spawner = spawn_local,
@@ -230,7 +232,7 @@ def run_workers(specs: Sequence[WorkerSpec], spawner: Spawner = spawn_local,
 
     try:
         for spec in specs:
-            opened = _open_output_files(output, spec.rank, num_proc)
+            opened = open_output_files(output, spec.rank, num_proc)
             try:
                 proc = spawner(spec)
             except BaseException:

@@ -35,6 +35,7 @@ import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import IO, Any
 
+from horovod.runner.elastic.discovery import HostDiscovery
 from horovod.spark import task as task_mod
 
 __all__ = ["run_elastic"]
@@ -323,7 +324,7 @@ class _TaskProcess:
         self._done.set()
 
 
-class _SparkTasks:
+class _SparkTasks(HostDiscovery):
     """Discovery (``{host: 1}`` for every live task attempt without a finished worker) and the monitor that
     feeds the :class:`_TaskProcess` proxies; one thread polls the driver's store."""
 

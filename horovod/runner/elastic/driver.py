@@ -41,7 +41,7 @@ from horovod.runner.elastic.discovery import (
     HostManager,
 )
 from horovod.runner.job import JobSpec
-from horovod.runner.output import OutputSink, forward_stream, rank_dir_name
+from horovod.runner.output import OutputSink, forward_stream
 from horovod.runner.worker_env import worker_env
 
 __all__ = ["ElasticDriver", "run_elastic", "RESET_LIMIT_MESSAGE", "DEFAULT_GRACE_SECONDS"]
@@ -195,9 +195,7 @@ class ElasticDriver:
                 return None
             return [self.server.get(f"{self.result_scope}/{rank}") for rank in range(len(self.plan.slots))]
         finally:
-            close = getattr(self.hosts.discovery, "close", None)  # duck-typed discoveries (Spark's) have none
-            if close is not None:
-                close()
+            self.hosts.discovery.close()
             self._terminate_all()
             self.server.stop()
 
@@ -468,13 +466,10 @@ class ElasticDriver:
         logger.debug("elastic: started %s as rank %d (pid %d)", slot, s.rank, proc.pid)
 
     def _output_files(self, rank: int) -> tuple[Any, Any]:
-        """``--output-filename``: ``DIR/rank.<rank>/{stdout,stderr}`` as in a static job, appended to, so a
-        worker that takes over a rank after a reset adds to what the rank wrote before."""
-        if not self.output.output_dir:
-            return None, None
-        rank_dir = os.path.join(self.output.output_dir, rank_dir_name(rank, max(self.num_proc, self.max_np or 0)))
-        os.makedirs(rank_dir, exist_ok=True)
-        return open(os.path.join(rank_dir, "stdout"), "ab"), open(os.path.join(rank_dir, "stderr"), "ab")
+        """``--output-filename`` as in a static job, appended to, so a worker that takes over a rank after a
+        reset adds to what the rank wrote before."""
+        opened = spawn.open_output_files(self.output, rank, max(self.num_proc, self.max_np or 0), mode="ab")
+        return opened or (None, None)
 
     def _kill(self, worker: _Worker, sig: int) -> None:
         try:

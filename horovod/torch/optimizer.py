@@ -76,7 +76,7 @@ class _Bucket:
     """A flat buffer shared by several small gradients (``slots[i]`` is ``params[i]``'s view of it) and this
     step's fill state: which slots hold their gradient, which parameters went their own way (sparse)."""
 
-    __slots__ = ("name", "params", "flat", "slots", "filled", "skipped", "launched", "layout_checked")
+    __slots__ = ("name", "params", "flat", "slots", "filled", "skipped", "launched", "layout_checked_in")
 
     def __init__(self, name: str, params: list[torch.Tensor]) -> None:
         self.params = params
@@ -84,7 +84,10 @@ class _Bucket:
         # the same name on every rank whatever the layout: a bucket of another size is the engine's shape
         # mismatch error at once (a name with the size in it never matched: a stall)
         self.name = name
-        self.layout_checked = False  # every rank's bucket holds the same shapes (checked at its first reduction)
+        # the job generation (basics.generation()) in which every rank's bucket was found to hold the same shapes:
+        # checked at the bucket's first reduction in each generation, as every rank of a new one (an elastic
+        # reset, init() again) must send the check, whoever took part in the last
+        self.layout_checked_in = 0
         self.slots, offset = [], 0
         for p in params:
             self.slots.append(self.flat[offset:offset + p.numel()].view(p.shape))
@@ -140,7 +143,7 @@ class _BucketReduction:
         _, d, d2 = bucket.layout_moments().tolist()
         n, sum_d, sum_d2 = sums.tolist()
         if sum_d == n * d and sum_d2 == n * d2:
-            bucket.layout_checked = True
+            bucket.layout_checked_in = basics.generation()
             return
         with contextlib.suppress(Exception):  # the bucket's own allreduce: done, or failed on the shapes
             synchronize(self.handle)
@@ -408,7 +411,7 @@ class _DistributedOptimizer:
                     bucket.slots[i].copy_(p.grad)
         prescale, postscale = predivide_scales(self.op, self.gradient_predivide_factor)
         bucket.launched = True
-        layouts = None if bucket.layout_checked else allreduce_async_(
+        layouts = None if bucket.layout_checked_in == basics.generation() else allreduce_async_(
             bucket.layout_moments(), name=f"{bucket.name}.layout", op=Sum, process_set=self.process_set)
         handle = allreduce_async_(bucket.flat, name=bucket.name, op=self.op, prescale_factor=prescale,
                                   postscale_factor=postscale, process_set=self.process_set)

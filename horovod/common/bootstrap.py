@@ -109,10 +109,11 @@ def join_torchrun() -> None:
 
 
 def elastic_mesh():
-    """Under the elastic driver (HOROVOD_ELASTIC=1), get rank and mesh from it: horovod/common/elastic_init.py."""
-    if not read_env("HOROVOD_ELASTIC") or not read_env("HOROVOD_GLOO_RENDEZVOUS_ADDR"):
-        return None
+    """Under the elastic driver, get rank and mesh from it: horovod/common/elastic_init.py."""
     from horovod.common import elastic_init
+
+    if not elastic_init.launched_by_driver():
+        return None
 
     return elastic_init.rendezvous()
 

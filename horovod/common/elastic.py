@@ -198,7 +198,9 @@ class WorkerNotificationManager:
 
             addr = read_env("HOROVOD_GLOO_RENDEZVOUS_ADDR")
             port = read_env("HOROVOD_GLOO_RENDEZVOUS_PORT")
-            if not addr or port is None or not read_env("HOROVOD_ELASTIC"):
+            from horovod.common.elastic_init import launched_by_driver
+
+            if not addr or port is None or not launched_by_driver():
                 return
             from horovod.transport.store import StoreClient
 

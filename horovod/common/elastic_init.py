@@ -28,7 +28,7 @@ import time
 from typing import Any
 
 from horovod.base import auth
-from horovod.base.config import read_env, start_timeout
+from horovod.base.config import is_set, read_env, start_timeout
 
 __all__ = ["rendezvous", "hosts_baseline", "current_generation", "slot_name", "REMOVED_MESSAGE"]
 
@@ -46,6 +46,15 @@ _hosts_baseline: float = 0.0
 
 class _GenerationEnded(Exception):
     """The driver ended the generation this worker was joining."""
+
+
+def launched_by_driver(environ=None) -> bool:
+    """The elastic driver (horovod.runner.elastic.driver) started this process: it sets
+    ``HOROVOD_ELASTIC_SLOT`` (with ``HOROVOD_ELASTIC=1``) and a rendezvous address.  ``HOROVOD_ELASTIC=1``
+    alone is only the user's knob, which a static ``horovodrun`` passes on to its workers (and torchrun to
+    its own): such a worker takes its rank from its launcher, as upstream's first ``init()`` does."""
+    return (bool(read_env("HOROVOD_ELASTIC", environ)) and is_set("HOROVOD_ELASTIC_SLOT", environ)
+            and bool(read_env("HOROVOD_GLOO_RENDEZVOUS_ADDR", environ)))
 
 
 def slot_name() -> str:

@@ -32,7 +32,8 @@ contract (``HOROVOD_RANK``... in docs/architecture.md) so that the rest of ``hvd
    whose route to ``MASTER_ADDR`` is loopback in a multi-host job gets ``HOROVOD_GLOO_IFACE`` set to the
    interface that routes to the other hosts (unless you set it), so it never advertises 127.0.0.1.
 
-``horovodrun``'s ``HOROVOD_RANK`` and an MPI launcher's variables win over torchrun's.
+``horovodrun``'s ``HOROVOD_RANK`` wins over torchrun's variables; an MPI launcher's (``SLURM_*``,
+``OMPI_COMM_WORLD_*``) win only over a PyTorchJob's, not over torchrun's (``TORCHELASTIC_RUN_ID``).
 """
 
 from __future__ import annotations
@@ -107,21 +108,27 @@ def detect(env: Mapping[str, str] | None = None) -> TorchrunEnv | None:
     """torchrun's (or a PyTorchJob's) description of this process; None when it was not started that way.
 
     A job is recognised when ``MASTER_ADDR``, ``RANK`` and ``WORLD_SIZE`` are set (or
-    ``TORCHELASTIC_RUN_ID``), unless ``horovodrun`` (``HOROVOD_RANK``), the elastic driver or an MPI
-    launcher started the process.
+    ``TORCHELASTIC_RUN_ID``), unless ``horovodrun`` (``HOROVOD_RANK``) or the elastic driver
+    (``HOROVOD_ELASTIC_SLOT``; ``HOROVOD_ELASTIC=1`` alone does not count) started the process, or, without
+    ``TORCHELASTIC_RUN_ID``, an MPI launcher's variables are set (torchrun's own win over the Slurm step or
+    mpirun it runs in).
 
     Raises:
         EnvVarError: a torchrun variable is missing or malformed (the text names it and its value).
     """
     env = os.environ if env is None else env
-    if is_set("HOROVOD_RANK", env) or read_env("HOROVOD_ELASTIC", env):
+    from horovod.common.elastic_init import launched_by_driver
+
+    if is_set("HOROVOD_RANK", env) or launched_by_driver(env):
         return None
-    if not (all(env.get(v, "").strip() for v in ("MASTER_ADDR", "RANK", "WORLD_SIZE"))
-            or env.get("TORCHELASTIC_RUN_ID", "").strip()):
+    started_by_torchrun = bool(env.get("TORCHELASTIC_RUN_ID", "").strip())
+    if not (all(env.get(v, "").strip() for v in ("MASTER_ADDR", "RANK", "WORLD_SIZE")) or started_by_torchrun):
         return None
     from horovod.transport.mpi import detect_launch
 
-    if detect_launch(env) is not None:
+    # torchrun started this process when it set TORCHELASTIC_RUN_ID: the Slurm step (or mpirun) it runs in
+    # launched torchrun, not this worker, so its variables describe torchrun's task, not the job.
+    if not started_by_torchrun and detect_launch(env) is not None:
         return None
     for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"):
         if not env.get(name, "").strip():

@@ -24,8 +24,8 @@ def _env():
     return env
 
 
-def horovodrun(*args, timeout=TIMEOUT, text=True):
-    return subprocess.run([sys.executable, "-m", "horovod.runner", *args], env=_env(),
+def horovodrun(*args, timeout=TIMEOUT, text=True, env=None):
+    return subprocess.run([sys.executable, "-m", "horovod.runner", *args], env={**_env(), **(env or {})},
                           capture_output=True, text=text, timeout=timeout)
 
 
@@ -304,3 +304,24 @@ def test_horovod_run_argument_errors():
         horovod.run(_rank_env, hosts="a:1", hostfile="f")
     with pytest.raises(ValueError, match="Argument use_gloo and use_mpi only allow one set True."):
         horovod.run(_rank_env, use_gloo=True, use_mpi=True)
+
+
+ALLREDUCE_SCRIPT = textwrap.dedent("""
+    import numpy as np
+    import horovod.numpy as hvd
+    hvd.init()
+    total = hvd.allreduce(np.array([hvd.rank() + 1.0]), op=hvd.Sum, name="x")
+    print("rank", hvd.rank(), "size", hvd.size(), "sum", float(total[0]), flush=True)
+""")
+
+
+def test_static_job_with_horovod_elastic_in_env():
+    """HOROVOD_ELASTIC=1 in the user's environment does not make a static job's workers wait for an elastic
+    driver (there is none: they failed after the elastic timeout); they take their ranks from horovodrun."""
+    start = time.monotonic()
+    proc = horovodrun("-np", "2", "--start-timeout", "20", sys.executable, "-c", ALLREDUCE_SCRIPT,
+                      env={"HOROVOD_ELASTIC": "1", "HOROVOD_ELASTIC_TIMEOUT": "2",
+                           "HOROVOD_ELASTIC_GRACE_SECONDS": "0", "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert [_lines(proc.stdout, r) for r in range(2)] == [["rank 0 size 2 sum 3.0"], ["rank 1 size 2 sum 3.0"]]
+    assert time.monotonic() - start < 30

@@ -117,6 +117,25 @@ def test_torchrun_job(args, tmp_path):
     assert results[0]["params"] == results[1]["params"]
 
 
+SLURM_STEP = {"SLURM_PROCID": "0", "SLURM_NTASKS": "1", "SLURM_STEP_NUM_TASKS": "1", "SLURM_LOCALID": "0",
+              "SLURM_JOB_ID": "77", "SLURM_NODEID": "0", "SLURM_NNODES": "1"}
+
+
+@pytest.mark.parametrize("outer", [SLURM_STEP, {"HOROVOD_ELASTIC": "1"}], ids=["in_slurm_step", "horovod_elastic"])
+def test_torchrun_job_inside_another_launch(outer, tmp_path):
+    """torchrun run in a Slurm step (one task: torchrun itself), or with HOROVOD_ELASTIC=1 in its environment:
+    torchrun's world wins (both ranks were rank 0 of size 1 before)."""
+    pytest.importorskip("torch")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", WORKER, "numpy"],
+                          cwd=REPO, env=_env(HVD_TEST_RESULT_DIR=str(tmp_path), **outer), capture_output=True,
+                          text=True, timeout=TIMEOUT, start_new_session=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    results = _results(str(tmp_path))
+    assert len(results) == 2, proc.stdout + proc.stderr
+    _check_collectives(results, 2)
+    assert [d["layout"] for d in results] == [[0, 2, 0, 2, 0, 1], [1, 2, 1, 2, 0, 1]]
+
+
 # ------------------------------------------------------------------------------------------ env only
 def _start_ranks(n: int, per_rank: dict[int, dict[str, str]] | None = None, *, where: str = "", kind: str = "numpy",
                  local: bool = True, master: str = "127.0.0.1", ranks: list[int] | None = None,
@@ -298,6 +317,13 @@ def test_detection_precedence():
     assert torchrun.detect({"RANK": "0", "WORLD_SIZE": "2"}) is None  # not torch.distributed's env://
     assert torchrun.detect({**BASE, "HOROVOD_RANK": "1"}) is None  # horovodrun's worker
     assert torchrun.detect({**BASE, "OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "4"}) is None  # mpirun
+    # torchrun started the process (TORCHELASTIC_RUN_ID): the Slurm step around torchrun does not count
+    assert torchrun.detect({**BASE, **SLURM_STEP, "TORCHELASTIC_RUN_ID": "abc"}).world_size == 4
+    assert torchrun.detect({**BASE, **SLURM_STEP}) is None  # srun with a PyTorchJob-like env: Slurm's
+    # HOROVOD_ELASTIC=1 alone is the user's knob; the elastic driver's workers also have their slot
+    assert torchrun.detect({**BASE, "HOROVOD_ELASTIC": "1"}).rank == 1
+    assert torchrun.detect({**BASE, "HOROVOD_ELASTIC": "1", "HOROVOD_ELASTIC_SLOT": "h:0",
+                            "HOROVOD_GLOO_RENDEZVOUS_ADDR": "10.0.0.1"}) is None
     tr = torchrun.detect({**BASE, "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "0",
                           "TORCHELASTIC_RUN_ID": "abc", "TORCHELASTIC_RESTART_COUNT": "2"})
     assert tr == torchrun.TorchrunEnv("10.0.0.1", 29500, 1, 4, 1, 2, 0, "abc", 2)

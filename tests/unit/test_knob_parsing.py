@@ -244,10 +244,11 @@ def test_elastic_init_refuses(env, name, text):
                  "HOROVOD_LOCAL_RANK": "x"}.items():
         env.setenv(k, v)
     if text is not None:
+        env.setenv("HOROVOD_ELASTIC_SLOT", "localhost:0")  # the elastic driver's worker
         env.setenv(name, text)
         expected = name
     else:
-        expected = "HOROVOD_LOCAL_RANK"   # no slot: it is built from the local rank, which is garbage
+        expected = "HOROVOD_LOCAL_RANK"   # no slot: a static worker, whose local rank is garbage
     with pytest.raises(ValueError, match=f"^{expected}="):
         hvd.init()
 

@@ -84,23 +84,39 @@ def parse_hosts(hosts_string: str) -> list[HostInfo]:
     return hosts
 
 
+_SLOTS_FIELD = re.compile(r"slots?\s*=\s*(\S+)")
+
+
 def parse_host_files(filename: str) -> str:
-    """Turn a hostfile (``<host> slots=<n>`` per line, ``#`` comments) into the ``-H`` string form."""
+    """Turn a hostfile into the ``-H`` string form.
+
+    A line is ``<host> slots=<n>`` (upstream's form; ``slot=<n>`` and spaces around ``=`` are read as upstream
+    reads them, by the number after ``=``), or ``<host>`` alone for one slot; ``#`` starts a comment.
+
+    Raises:
+        ValueError: a line with anything else after the host name, a slot count that is not a whole number,
+            or ``<host>:<n>`` (the -H form) (the text names the file, the line and the expected form).
+    """
     items = []
     with open(filename) as f:
-        for raw in f:
+        for number, raw in enumerate(f, 1):
             line = raw.split("#", 1)[0].strip()
             if not line:
                 continue
-            fields = line.split()
-            hostname, slots = fields[0], 1
-            for field in fields[1:]:
-                if field.startswith("slots="):
-                    try:
-                        slots = int(field[len("slots="):])
-                    except ValueError:
-                        raise ValueError(f"Invalid slots in hostfile {filename!r} line: {raw.strip()!r}") \
-                            from None
+            hostname, *others = line.split(None, 1)
+            rest = others[0] if others else ""
+            slots = 1
+            if ":" in hostname:
+                raise ValueError(f"Invalid host in hostfile {filename!r} line {number}: {raw.strip()!r}; a hostfile "
+                                 "line is '<host> slots=<n>' ('<host>:<n>' is the form of -H)")
+            if rest:
+                match = _SLOTS_FIELD.fullmatch(rest)
+                text = match.group(1) if match else None
+                if text is None or not text.isdigit():
+                    what = "slot count" if match else "field"
+                    raise ValueError(f"Invalid {what} in hostfile {filename!r} line {number}: {raw.strip()!r}; "
+                                     "expected '<host> slots=<n>' or '<host>' alone for one slot")
+                slots = int(text)
             items.append(f"{hostname}:{slots}")
     return ",".join(items)
 

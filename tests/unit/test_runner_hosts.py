@@ -1,5 +1,7 @@
 """Host specs and rank assignment (HOROVOD_SPEC.md §4.2)."""
 
+import re
+
 import pytest
 
 from horovod.runner.hosts import (
@@ -43,6 +45,28 @@ def test_hostfile(tmp_path):
     path = tmp_path / "hosts"
     path.write_text("# cluster\nhost1 slots=2\n\nhost2   slots=4  # big\nhost3\n")
     assert parse_host_files(str(path)) == "host1:2,host2:4,host3:1"
+
+
+@pytest.mark.parametrize("line", ["localhost slots = 2", "localhost slot=2", "localhost  slots= 2 ",
+                                  "localhost\tslots =2"])
+def test_hostfile_slots_spelled_loosely(tmp_path, line):
+    """Upstream reads the number after '=' (line.split('=')[1]): spaces around '=' and 'slot=' mean 2 slots,
+    not 1 with the field ignored."""
+    path = tmp_path / "hosts"
+    path.write_text(f"{line}\n127.0.0.1 slots=3\n")
+    assert parse_host_files(str(path)) == "localhost:2,127.0.0.1:3"
+
+
+@pytest.mark.parametrize("line,text", [("localhost slots=x", "Invalid slot count"),
+                                       ("localhost max-slots=2", "Invalid field"),
+                                       ("localhost slots=2 extra", "Invalid field"),
+                                       ("localhost 2", "Invalid field"),
+                                       ("localhost:2", "Invalid host")])
+def test_hostfile_unparseable_line_is_named(tmp_path, line, text):
+    path = tmp_path / "hosts"
+    path.write_text(f"# cluster\n{line}\n")
+    with pytest.raises(ValueError, match=re.escape(f"{text} in hostfile '{path}' line 2: '{line}'; ")):
+        parse_host_files(str(path))
 
 
 def _reference(slots_per_host, np):

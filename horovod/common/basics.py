@@ -77,7 +77,7 @@ def init(comm=None, process_sets: Sequence[ProcessSet] | str | None = None) -> N
                 raise ValueError(f"Unknown process_sets value: {process_sets!r}")
             config = dataclasses.replace(config, dynamic_process_sets=True)  # this init only
             process_sets = None
-        bootstrap.join_torchrun()  # torchrun/PyTorchJob: exports HOROVOD_RANK... (a no-op otherwise)
+        bootstrap.join_torchrun(comm)  # torchrun/PyTorchJob: exports HOROVOD_RANK... (a no-op otherwise)
         elastic_mesh = bootstrap.elastic_mesh()  # elastic: the driver assigns the rank (sets HOROVOD_RANK...)
         mpi = bootstrap.mpi_job(comm) if bootstrap.use_mpi(comm) else None
         topology = bootstrap.topology_from_mpi(mpi) if mpi is not None else bootstrap.topology_from_env()

@@ -22,7 +22,8 @@ from horovod.runtime.engine import Topology
 from horovod.transport.communicator import PeerFailure
 
 __all__ = ["refuse_a_copy_of_a_rank", "claim_rank",
-           "topology_from_env", "topology_from_mpi", "use_mpi", "mpi_job", "elastic_mesh", "build_mesh",
+           "topology_from_env", "topology_from_mpi", "use_mpi", "mpi_job", "check_comm_matches_launch",
+           "elastic_mesh", "build_mesh",
            "join_torchrun", "GenerationMismatch"]
 
 log = logging.getLogger(__name__)
@@ -98,14 +99,22 @@ def claim_rank() -> None:
         os.environ[RANK_OWNER_ENV] = f"{os.getpid()} {slot}"
 
 
-def join_torchrun() -> None:
+def join_torchrun(comm=None) -> None:
     """Started by torchrun (or with its variables, e.g. a Kubeflow PyTorchJob) and not by horovodrun or MPI:
-    meet the other ranks through rank 0's store and export ``HOROVOD_RANK``... (horovod/common/torchrun.py)."""
+    meet the other ranks through rank 0's store and export ``HOROVOD_RANK``... (horovod/common/torchrun.py).
+
+    An MPI ``comm`` (``init(comm=...)``) whose size is not torchrun's world is refused first, before any rank
+    waits for the others (:func:`check_comm_matches_launch`)."""
     from horovod.common import torchrun
 
     launch = torchrun.detect()
-    if launch is not None:
-        torchrun.join(launch)
+    if launch is None:
+        return
+    from horovod.transport.mpi import detect_launch
+
+    if detect_launch() is None:
+        check_comm_matches_launch(comm, launch.world_size, launch.rank, "torchrun")
+    torchrun.join(launch)
 
 
 def elastic_mesh():
@@ -129,6 +138,29 @@ def use_mpi(comm) -> bool:
     return detect_launch() is not None
 
 
+def check_comm_matches_launch(comm, size: int, rank: int, launcher: str) -> None:
+    """``init(comm=...)`` in a process that horovodrun (Gloo) or torchrun started, not mpirun/srun: MPI did
+    not connect those processes, so every one of them is an MPI singleton and the communicator (size 1) is not
+    the job: each rank would silently run alone as rank 0 of size 1.
+
+    Raises:
+        ValueError: the communicator's size is not the launch's (the text names both and the fixes).
+    """
+    if comm is None or isinstance(comm, (list, tuple)):
+        return
+    try:
+        comm_size = comm.Get_size()
+    except AttributeError:
+        return  # not an mpi4py communicator: mpi_mod.mpi_job names it
+    if comm_size == size:
+        return
+    raise ValueError(
+        f"hvd.init(comm=...) got an MPI communicator of size {comm_size}, but {launcher} started this process as "
+        f"rank {rank} of a job of size {size}: MPI did not start these processes, so each one is an MPI job of "
+        "its own.  To bootstrap through MPI, launch with mpirun (or horovodrun --mpi); "
+        f"to run under {launcher}, call hvd.init() without comm=.")
+
+
 def mpi_job(comm):
     """Bootstrap through MPI (mpirun/srun or ``init(comm=...)``); ValueError with the fix when impossible."""
     from horovod.transport import mpi as mpi_mod
@@ -140,6 +172,8 @@ def mpi_job(comm):
                              "or use the default (built-in) controller.")
         raise ValueError(f"This process was started by {launch.kind} (rank {launch.rank} of {launch.size}) but "
                          "mpi4py is not installed: pip install mpi4py, or start the job with horovodrun.")
+    if launch is None and is_set("HOROVOD_SIZE"):  # horovodrun's Gloo workers (torchrun's: join_torchrun)
+        check_comm_matches_launch(comm, read_env("HOROVOD_SIZE"), read_env("HOROVOD_RANK"), "horovodrun")
     job = mpi_mod.mpi_job(comm, threads=not read_env("HOROVOD_MPI_THREADS_DISABLE"),
                           iface=read_env("HOROVOD_GLOO_IFACE") or None)
     if job is None:

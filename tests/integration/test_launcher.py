@@ -325,3 +325,30 @@ def test_static_job_with_horovod_elastic_in_env():
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert [_lines(proc.stdout, r) for r in range(2)] == [["rank 0 size 2 sum 3.0"], ["rank 1 size 2 sum 3.0"]]
     assert time.monotonic() - start < 30
+
+
+COMM_SCRIPT = textwrap.dedent("""
+    import sys
+    from mpi4py import MPI
+    import horovod.numpy as hvd
+    try:
+        hvd.init(comm=MPI.COMM_WORLD)
+    except ValueError as e:
+        print("refused:", e, flush=True)
+        sys.exit(0)
+    print("joined", hvd.rank(), hvd.size(), flush=True)
+""")
+
+
+def test_mpi_comm_under_horovodrun_gloo_is_refused():
+    """init(comm=MPI.COMM_WORLD) in ranks horovodrun started without --mpi: each is an MPI singleton, and
+    every rank ran alone as rank 0 of size 1; now every rank gets a ValueError naming both sizes and the fix."""
+    pytest.importorskip("mpi4py")
+    proc = horovodrun("-np", "2", sys.executable, "-c", COMM_SCRIPT, env={"OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for r in range(2):
+        out = _lines(proc.stdout, r)
+        assert len(out) == 1 and out[0].startswith("refused: hvd.init(comm=...) got an MPI communicator of size 1, "
+                                                   f"but horovodrun started this process as rank {r} of a job of "
+                                                   "size 2"), proc.stdout
+        assert "mpirun (or horovodrun --mpi)" in out[0] and "without comm=" in out[0]

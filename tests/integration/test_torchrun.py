@@ -136,6 +136,27 @@ def test_torchrun_job_inside_another_launch(outer, tmp_path):
     assert [d["layout"] for d in results] == [[0, 2, 0, 2, 0, 1], [1, 2, 1, 2, 0, 1]]
 
 
+def test_mpi_comm_under_torchrun_is_refused(tmp_path):
+    """init(comm=MPI.COMM_WORLD) in processes torchrun started: every one is an MPI singleton and ran alone as
+    rank 0 of size 1; now every rank gets a ValueError naming both sizes and the fix, without hanging."""
+    pytest.importorskip("torch")
+    pytest.importorskip("mpi4py")
+    script = tmp_path / "comm.py"
+    script.write_text("import os, sys\nfrom mpi4py import MPI\nimport horovod.numpy as hvd\ntry:\n"
+                      "    hvd.init(comm=MPI.COMM_WORLD)\nexcept ValueError as e:\n"
+                      "    print('refused', os.environ['RANK'], e, flush=True)\n    sys.exit(0)\n"
+                      "print('joined', hvd.rank(), hvd.size(), flush=True)\n")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", str(script)],
+                          cwd=REPO, env=_env(), capture_output=True, text=True, timeout=TIMEOUT,
+                          start_new_session=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    refused = sorted(line for line in proc.stdout.splitlines() if line.startswith("refused"))
+    assert len(refused) == 2, proc.stdout + proc.stderr
+    for r, line in enumerate(refused):
+        assert line.startswith(f"refused {r} hvd.init(comm=...) got an MPI communicator of size 1, but torchrun "
+                               f"started this process as rank {r} of a job of size 2"), line
+
+
 # ------------------------------------------------------------------------------------------ env only
 def _start_ranks(n: int, per_rank: dict[int, dict[str, str]] | None = None, *, where: str = "", kind: str = "numpy",
                  local: bool = True, master: str = "127.0.0.1", ranks: list[int] | None = None,

@@ -273,7 +273,8 @@ def _run_mpi(job: JobSpec, hosts: list[hosts_mod.HostInfo], knobs: dict[str, str
     def mpirun_command(command_text: str) -> str:
         return mpi_run.mpi_command(job.num_proc, hosts, command_text, env, nics=job.nics,
                                    output_filename=job.output_filename, mpi_args=mpi_args, tcp=job.tcp,
-                                   ssh_port=job.ssh_port, ssh_identity_file=job.ssh_identity_file)
+                                   ssh_port=job.ssh_port, ssh_identity_file=job.ssh_identity_file,
+                                   timestamp=job.prefix_output_with_timestamp)
 
     if not job.run_func:
         command = job.command_line()

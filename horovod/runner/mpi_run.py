@@ -31,11 +31,14 @@ def is_exportable(name: str) -> bool:
 
 def mpi_command(num_proc: int, hosts: Sequence[HostInfo], command: str, env: Mapping[str, str], *,
                 nics: Sequence[str] = (), output_filename: str | None = None, mpi_args: str | None = None,
-                tcp: bool = False, ssh_port: int | None = None, ssh_identity_file: str | None = None) -> str:
-    """The Open MPI ``mpirun`` command line for the job (a shell string, as upstream builds it)."""
+                tcp: bool = False, ssh_port: int | None = None, ssh_identity_file: str | None = None,
+                timestamp: bool = False) -> str:
+    """The Open MPI ``mpirun`` command line for the job (a shell string, as upstream builds it).
+
+    ``timestamp`` (``--prefix-output-with-timestamp``) adds upstream's ``--timestamp-output``."""
     host_arg = ",".join(f"{h.hostname}:{h.slots}" for h in hosts)
-    parts = ["mpirun", "--allow-run-as-root", "--tag-output", "-np", str(num_proc), "-H", host_arg,
-             "-bind-to", "none", "-map-by", "slot"]
+    parts = ["mpirun", "--allow-run-as-root", "--tag-output", *(["--timestamp-output"] if timestamp else []),
+             "-np", str(num_proc), "-H", host_arg, "-bind-to", "none", "-map-by", "slot"]
     # Open MPI refuses a parameter given twice: the user's --mpi-args replace our defaults.
     for name, value in (("pml", "ob1"), ("btl", "^openib")):
         if not re.search(rf"-?-mca\s+{name}\s", mpi_args or ""):
@@ -63,17 +66,26 @@ def _check_mpirun() -> None:
         raise RuntimeError("--mpi: mpirun was not found on PATH; install Open MPI or use --gloo")
 
 
+def _shell_argv(cmd: str) -> list[str]:
+    """``/bin/sh -c 'exec mpirun ...'``: the shell replaces itself with mpirun, so a signal sent to the
+    launcher's process (``horovodrun``'s pid, after :func:`exec_mpirun`) reaches mpirun, which forwards it to
+    the ranks.  Without ``exec`` the shell took the signal and died, leaving mpirun and the ranks running."""
+    return ["/bin/sh", "-c", "exec " + cmd]
+
+
 def exec_mpirun(cmd: str, env: Mapping[str, str]) -> None:
-    """Replace this process with ``/bin/sh -c <mpirun ...>`` (never returns)."""
+    """Replace this process with mpirun (through ``/bin/sh -c 'exec <mpirun ...>'``; never returns).
+
+    The command line is logged at debug level: ``horovodrun --verbose`` prints it, as upstream."""
     _check_mpirun()
-    logger.info("%s", cmd)
-    os.execve("/bin/sh", ["/bin/sh", "-c", cmd], dict(env))
+    logger.debug("%s", cmd)
+    os.execve("/bin/sh", _shell_argv(cmd), dict(env))
 
 
 def run_mpirun(cmd: str, env: Mapping[str, str]) -> None:
     """Run mpirun as a child (``horovod.run`` mode).  Raises ``RuntimeError`` on a non-zero exit."""
     _check_mpirun()
-    logger.info("%s", cmd)
-    code = subprocess.call(["/bin/sh", "-c", cmd], env=dict(env))
+    logger.debug("%s", cmd)
+    code = subprocess.call(_shell_argv(cmd), env=dict(env))
     if code != 0:
         raise RuntimeError(f"mpirun failed with exit code {code}")

@@ -22,9 +22,15 @@ from horovod.transport.scaling import scale_inplace, scaled_copy
 
 __all__ = ["Executor", "CollectiveFailure"]
 
-_ACTIVITY = {RequestType.ALLREDUCE: "GLOO_ALLREDUCE", RequestType.ALLGATHER: "GLOO_ALLGATHER",
-             RequestType.BROADCAST: "GLOO_BCAST", RequestType.ALLTOALL: "MPI_ALLTOALL",
-             RequestType.REDUCESCATTER: "GLOO_REDUCESCATTER"}
+_ACTIVITY = {RequestType.ALLREDUCE: "{}_ALLREDUCE", RequestType.ALLGATHER: "{}_ALLGATHER",
+             RequestType.BROADCAST: "{}_BCAST", RequestType.ALLTOALL: "MPI_ALLTOALL",  # upstream's Gloo's too
+             RequestType.REDUCESCATTER: "{}_REDUCESCATTER"}
+
+
+def _activity(comm: Communicator, rtype: RequestType) -> str:
+    """The timeline's name of the transport's part of ``rtype``, after the data plane that runs it
+    (``GLOO_ALLGATHER``, ``MPI_ALLGATHER`` under MPI's data plane) as upstream names them."""
+    return _ACTIVITY[rtype].format(getattr(comm, "data_plane", "GLOO"))  # test doubles may lack it
 
 
 PARTS_MIN_BYTES = 1024 * 1024
@@ -94,7 +100,7 @@ class Executor:
                 if run is None:
                     raise PreconditionError(f"unsupported operation {rtype}")
                 if timeline is not None:  # the transport's part, nested in the operation's bar as upstream
-                    timeline.begin(resp.names[0], _ACTIVITY[rtype])
+                    timeline.begin(resp.names[0], _activity(comm, rtype))
                 try:
                     results = [run(comm, resp, entries[0])]
                 finally:
@@ -153,7 +159,7 @@ class Executor:
                 scaled_copy(src, resp.prescale, flat)
                 src = flat
             if act:
-                act(resp.names[0], "GLOO_ALLREDUCE")
+                act(resp.names[0], _activity(comm, RequestType.ALLREDUCE))
             comm.allreduce_scaled(src, flat, op, postscale)
             if parts is not None:
                 parts.scatter(flat)
@@ -163,7 +169,7 @@ class Executor:
         if self._in_parts(comm, resp, entries):  # a large group: straight from and into the tensors
             if act:
                 for name in resp.names:
-                    act(name, "GLOO_ALLREDUCE")
+                    act(name, _activity(comm, RequestType.ALLREDUCE))
             outs = [e.output for e in entries]  # type: ignore[union-attr]
             comm.allreduce_scaled(Pieces([e.tensor for e in entries]), Pieces(outs, merge=False),  # type: ignore[union-attr]
                                   op, postscale)
@@ -183,7 +189,7 @@ class Executor:
         if act:
             for name in resp.names:
                 timeline.end(name)
-                act(name, "GLOO_ALLREDUCE")
+                act(name, _activity(comm, RequestType.ALLREDUCE))
         scale_inplace(buf, resp.prescale)
         comm.allreduce_scaled(buf, buf, op, postscale)
         if act:

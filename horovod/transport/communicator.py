@@ -70,6 +70,9 @@ class Communicator(abc.ABC):
     ranks: list[int]
     rank: int
     size: int
+    data_plane = "GLOO"
+    """The prefix of the timeline's transport activities (``GLOO_ALLREDUCE``...): upstream's name for the data
+    plane that moves the bytes (our own transports stand where upstream's Gloo does; MPI's is ``MPI``)."""
     takes_pieces = False
     """Whether ``allreduce_scaled`` takes :class:`~horovod.transport.buffers.Pieces` as input and as output
     (else the runtime concatenates an input into a flat buffer first and scatters a result from one)."""

@@ -308,6 +308,8 @@ class MpiCommunicator(Communicator):
         ValueError: this rank is not in ``ranks``.
     """
 
+    data_plane = "MPI"
+
     def __init__(self, job_comm: Any, ranks: list[int]) -> None:
         from mpi4py import MPI
 

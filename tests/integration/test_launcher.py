@@ -3,6 +3,7 @@
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -352,3 +353,91 @@ def test_mpi_comm_under_horovodrun_gloo_is_refused():
                                                    f"but horovodrun started this process as rank {r} of a job of "
                                                    "size 2"), proc.stdout
         assert "mpirun (or horovodrun --mpi)" in out[0] and "without comm=" in out[0]
+
+
+MPI_SLEEP_SCRIPT = "import os, time\nprint('pid', os.getpid(), flush=True)\ntime.sleep(60)"
+
+
+def test_mpi_sigterm_to_launcher_leaves_no_process():
+    """horovodrun --mpi ran mpirun under /bin/sh -c, which took SIGTERM without forwarding it: mpirun (re-parented
+    to init) and the ranks kept running.  Now the shell execs mpirun: the signal stops mpirun and the ranks."""
+    if not shutil.which("mpirun"):
+        pytest.skip("no mpirun")
+    launcher = subprocess.Popen([sys.executable, "-m", "horovod.runner", "--mpi", "-np", "2", sys.executable, "-c",
+                                 MPI_SLEEP_SCRIPT], env={**_env(), "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    pids, seen = [], ""
+    try:
+        deadline = time.monotonic() + 30
+        while len(pids) < 2 and time.monotonic() < deadline:
+            line = launcher.stdout.readline()   # mpirun's tagged lines may come in pieces: look at all of it
+            if not line:
+                break
+            seen += line
+            pids = [int(p) for p in re.findall(r"<stdout>:pid (\d+)", seen)]
+        assert len(pids) == 2, seen
+        family = [launcher.pid] + [p.pid for p in psutil.Process(launcher.pid).children(recursive=True)]
+        launcher.send_signal(signal.SIGTERM)
+        launcher.wait(timeout=20)
+        assert _gone(pids + family, within=10), [psutil.Process(p).cmdline() for p in pids + family
+                                                 if psutil.pid_exists(p)]
+    finally:
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        try:
+            os.killpg(launcher.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        launcher.communicate()
+
+
+def test_mpi_timestamp_output_and_command_only_with_verbose():
+    """--prefix-output-with-timestamp reaches mpirun (--timestamp-output, as upstream); the mpirun command line
+    is printed only with --verbose (it was printed on every run)."""
+    if not shutil.which("mpirun"):
+        pytest.skip("no mpirun")
+    script = "print('hello', flush=True)"
+    proc = horovodrun("--mpi", "-np", "2", "--prefix-output-with-timestamp", sys.executable, "-c", script,
+                      env={"OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for r in range(2):
+        # (mpirun may tag the line's end separately: "...<stdout>:hello[1,1]<stdout>:")
+        assert re.search(rf"\w{{3}} \w{{3}} [ \d]\d \d\d:\d\d:\d\d \d{{4}}\[1,{r}\]<stdout>:hello", proc.stdout), \
+            proc.stdout
+    assert "mpirun" not in proc.stderr and "mpirun" not in proc.stdout
+    proc = horovodrun("--mpi", "-np", "1", "--verbose", sys.executable, "-c", script, env={"OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "mpirun --allow-run-as-root --tag-output -np 1 " in proc.stderr, proc.stderr
+
+
+TIMELINE_SCRIPT = textwrap.dedent("""
+    import numpy as np
+    import horovod.numpy as hvd
+    hvd.init()
+    r = hvd.rank()
+    for step in range(2):
+        hvd.allreduce(np.ones(200000, np.float32) * r, op=hvd.Sum, name="big")
+        hvd.allgather(np.full(3, float(r)), name="gather")
+        hvd.broadcast(np.full(3, float(r)), root_rank=0, name="bcast")
+        hvd.reducescatter(np.ones(4) * r, op=hvd.Sum, name="rs")
+    hvd.shutdown()
+""")
+
+
+def test_mpi_timeline_names_the_mpi_data_plane(tmp_path):
+    """Under the MPI data plane the timeline's transport activities are upstream's MPI_ALLREDUCE, MPI_ALLGATHER,
+    MPI_BCAST, MPI_REDUCESCATTER (they were named GLOO_* whatever moved the bytes)."""
+    if not shutil.which("mpirun"):
+        pytest.skip("no mpirun")
+    pytest.importorskip("mpi4py")
+    timeline = tmp_path / "tl.json"
+    proc = horovodrun("--mpi", "-np", "2", "--timeline-filename", str(timeline), sys.executable, "-c",
+                      TIMELINE_SCRIPT, env={"OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    names = {e.get("name") for e in json.loads(timeline.read_text()) if e.get("ph") == "B"}
+    for activity in ("MPI_ALLREDUCE", "MPI_ALLGATHER", "MPI_BCAST", "MPI_REDUCESCATTER"):
+        assert activity in names, sorted(names)
+    assert not {n for n in names if n.startswith("GLOO_")}, sorted(names)

@@ -201,6 +201,8 @@ def test_mpi_command():
     assert cmd == ("mpirun --allow-run-as-root --tag-output -np 4 -H a:2,b:2 -bind-to none -map-by slot "
                    "-mca pml ob1 -mca btl '^openib' -mca btl_tcp_if_include eth0 -x NCCL_SOCKET_IFNAME "
                    "--output-filename logs -x HOROVOD_CYCLE_TIME -x PATH --report-bindings python train.py")
+    stamped = mpi_command(2, [HostInfo("a", 2)], "python train.py", {}, timestamp=True)
+    assert stamped.startswith("mpirun --allow-run-as-root --tag-output --timestamp-output -np 2 -H a:2 ")
     assert not is_exportable("OLDPWD") and not is_exportable("BASH_FUNC_foo%%")
     assert not is_exportable("_HOROVOD_SECRET_KEY") and is_exportable("HOROVOD_SECRET_KEY")
 

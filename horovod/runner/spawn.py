@@ -22,6 +22,7 @@ left running in its group is killed.  Remote workers run under the same script o
 from __future__ import annotations
 
 import dataclasses
+import errno
 import functools
 import json
 import logging
@@ -141,14 +142,26 @@ def spawn_local(spec: WorkerSpec) -> subprocess.Popen:
 
 
 def _check_program(program: str, env: dict[str, str], cwd: str | None) -> None:
-    # The watchdog would only report a missing program through its exit status (127); fail as Popen does.
+    """Raise as ``Popen`` (execvp) would: the watchdog would only report a bad program through its exit status.
+
+    Raises:
+        FileNotFoundError: no such file (on ``PATH`` for a bare name).
+        IsADirectoryError: the path names a directory.
+        PermissionError: the file exists but is not executable (on ``PATH``: only such files were found).
+    """
     if os.sep in program:
-        path = program if os.path.isabs(program) else os.path.join(cwd or os.getcwd(), program)
-        found = path if os.access(path, os.X_OK) and not os.path.isdir(path) else None
+        candidates = [program if os.path.isabs(program) else os.path.join(cwd or os.getcwd(), program)]
     else:
-        found = shutil.which(program, path=env.get("PATH", os.defpath))
-    if found is None:
-        raise FileNotFoundError(2, "No such file or directory", program)
+        if shutil.which(program, path=env.get("PATH", os.defpath)) is not None:
+            return
+        candidates = [os.path.join(d or os.curdir, program) for d in env.get("PATH", os.defpath).split(os.pathsep)]
+    existing = [p for p in candidates if os.path.exists(p)]
+    if not existing:
+        raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), program)
+    if os.sep in program and os.path.isdir(existing[0]):
+        raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), program)
+    if not any(os.access(p, os.X_OK) and not os.path.isdir(p) for p in existing):
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), program)
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:

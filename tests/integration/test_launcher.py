@@ -441,3 +441,22 @@ def test_mpi_timeline_names_the_mpi_data_plane(tmp_path):
     for activity in ("MPI_ALLREDUCE", "MPI_ALLGATHER", "MPI_BCAST", "MPI_REDUCESCATTER"):
         assert activity in names, sorted(names)
     assert not {n for n in names if n.startswith("GLOO_")}, sorted(names)
+
+
+def test_program_not_executable_or_a_directory_is_named(tmp_path):
+    """A program that exists but cannot run was reported as '[Errno 2] No such file or directory'."""
+    script = tmp_path / "train.py"
+    script.write_text("print('never')\n")
+    script.chmod(0o644)
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "mytool").write_text("#!/bin/sh\necho never\n")   # on PATH, not executable
+    cases = [("./train.py", "[Errno 13] Permission denied: './train.py'"),
+             ("./bin", "[Errno 21] Is a directory: './bin'"),
+             ("./missing.py", "[Errno 2] No such file or directory: './missing.py'"),
+             ("mytool", "[Errno 13] Permission denied: 'mytool'")]
+    for program, text in cases:
+        proc = subprocess.run([sys.executable, "-m", "horovod.runner", "-np", "2", program], cwd=tmp_path,
+                              env={**_env(), "PATH": f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}"},
+                              capture_output=True, text=True, timeout=TIMEOUT)
+        assert proc.returncode != 0 and f"horovodrun: error: {text}" in proc.stderr, (program, proc.stderr)
+        assert "never" not in proc.stdout

@@ -20,7 +20,8 @@ contract (``HOROVOD_RANK``... in docs/architecture.md) so that the rest of ``hvd
      a fresh key and puts it, with the store's address and port (any free port), in a file readable by
      this user only: ``<tmp>/horovod-torchrun-<uid>/<hash of run id, MASTER_ADDR, MASTER_PORT, restart>``
      (the directory must be ours and mode 0700).  The other ranks read it; a stale file of an earlier job
-     is recognised because the store refuses its key, and read again.
+     is recognised because the store refuses its key, and read again.  Rank 0 removes the file as soon as
+     every rank's record reached its store (they all read it by then), and at exit if the job never formed.
 
 3. **Layout.**  Every rank puts a record (rank, ``WORLD_SIZE``, host, node, torchrun's local rank) in the
    store; rank 0 checks them (same ``WORLD_SIZE``, local ranks ``0..LOCAL_WORLD_SIZE-1`` on each node) and
@@ -404,6 +405,10 @@ def join(tr: TorchrunEnv) -> None:
 
     if tr.rank == 0:
         layout = _gather_layout(client, tr, deadline, timeout)
+        # Every rank's record is in: each has read the key file, so it goes now.  Removing it at exit only
+        # left it behind whenever torchrun ended rank 0 with SIGTERM (another rank failed) or SIGKILL; and a
+        # signal handler would replace the application's own.
+        _remove_key_file()
     else:
         try:  # rank 0 decides within its own start timeout, which began at most ``timeout`` ago
             answer = json.loads(client.get(_LAYOUT, timeout=max(0.0, deadline + timeout - time.monotonic())))

@@ -157,6 +157,25 @@ def test_mpi_comm_under_torchrun_is_refused(tmp_path):
                                f"started this process as rank {r} of a job of size 2"), line
 
 
+def test_key_file_is_gone_when_torchrun_terminates_rank_0(tmp_path):
+    """A rank fails after init: torchrun SIGTERMs rank 0, whose atexit never runs; its key file (the job's key)
+    stayed in <tmp>/horovod-torchrun-<uid>/.  Rank 0 now removes it once every rank has read it."""
+    pytest.importorskip("torch")
+    script = tmp_path / "die.py"
+    script.write_text("import os, sys, time\nimport horovod.numpy as hvd\nhvd.init()\n"
+                      "print('joined', hvd.rank(), flush=True)\n"
+                      "if hvd.rank() == 1:\n    time.sleep(0.5)\n    os._exit(3)\ntime.sleep(60)\n")
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", str(script)],
+                          cwd=REPO, env=_env(TMPDIR=str(tmp)), capture_output=True, text=True, timeout=TIMEOUT,
+                          start_new_session=True)
+    assert proc.returncode != 0 and "joined 0" in proc.stdout and "joined 1" in proc.stdout, proc.stdout + proc.stderr
+    key_dir = tmp / f"horovod-torchrun-{os.getuid()}"
+    assert key_dir.is_dir(), proc.stdout + proc.stderr
+    assert os.listdir(key_dir) == []
+
+
 # ------------------------------------------------------------------------------------------ env only
 def _start_ranks(n: int, per_rank: dict[int, dict[str, str]] | None = None, *, where: str = "", kind: str = "numpy",
                  local: bool = True, master: str = "127.0.0.1", ranks: list[int] | None = None,

@@ -190,7 +190,11 @@ def is_initialized() -> bool:
 
 
 def _topo() -> Topology:
-    return engine().topology
+    """The layout of this process's job; ValueError (upstream's text) before init() and after shutdown()."""
+    e = _engine
+    if e is None or not _initialized:
+        raise ValueError(NOT_INITIALIZED)
+    return e.topology
 
 
 def rank() -> int:

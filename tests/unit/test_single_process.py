@@ -410,6 +410,25 @@ def test_enqueue_after_shutdown_fails_and_reinit_works():
     np.testing.assert_array_equal(hvd.allreduce(np.ones(2), op=hvd.Sum), np.ones(2))
 
 
+def test_layout_queries_after_shutdown_raise_like_upstream():
+    """After shutdown() rank(), size()... answered from the stopped engine while is_initialized() was False;
+    upstream raises its not-initialized ValueError (numpy and torch alike), and they answer again after init()."""
+    queries = [hvd.rank, hvd.size, hvd.local_rank, hvd.local_size, hvd.cross_rank, hvd.cross_size,
+               hvd.is_homogeneous]
+    try:
+        import horovod.torch as hvd_torch
+        queries += [hvd_torch.rank, hvd_torch.size, hvd_torch.local_rank, hvd_torch.local_size]
+    except ImportError:
+        pass
+    hvd.init()
+    hvd.shutdown()
+    for query in queries:
+        with pytest.raises(ValueError, match=r"^Horovod has not been initialized; use hvd\.init\(\)\.$"):
+            query()
+    hvd.init()
+    assert [q() for q in queries[:6]] == [0, 1, 0, 1, 0, 1]
+
+
 def test_pending_op_fails_with_shutdown_error(monkeypatch):
     engine = basics.engine()
     release = threading.Event()

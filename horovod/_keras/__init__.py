@@ -252,7 +252,7 @@ def _reducer(compression, sparse_as_dense, gradient_predivide_factor, op, num_gr
     return GradientReducer(compression=compression or Compression.none, sparse_as_dense=sparse_as_dense, op=op,
                            gradient_predivide_factor=gradient_predivide_factor, num_groups=num_groups,
                            groups=groups, process_set=process_set, scale_local_gradients=scale_local_gradients,
-                           name=name)
+                           name=name, ignore_name_scope=True)
 
 
 def create_distributed_optimizer(keras, optimizer, name: str | None = None, device_dense: str = "",

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import tensorflow as tf
@@ -23,18 +24,25 @@ def _reset() -> None:
     basics.init()
 
 
+@contextlib.contextmanager
+def _collective_failures() -> Iterator[None]:
+    """A ``tf.errors.UnknownError`` from a Horovod op counts as a ``HorovodInternalError`` (the op failed
+    because a peer is gone): the elastic loop rolls back and resets instead of ending the worker."""
+    try:
+        yield
+    except tf.errors.UnknownError as e:
+        if any(op in str(e) for op in _HOROVOD_OPS):
+            raise HorovodInternalError(e) from e
+        raise
+
+
 def run(func: Callable[..., Any]) -> Callable[..., Any]:
-    """Like ``horovod.common.elastic.run_fn``; a ``tf.errors.UnknownError`` from a Horovod op counts as a
-    ``HorovodInternalError`` (the op failed because a peer is gone)."""
+    """Like ``horovod.common.elastic.run_fn``, with TensorFlow's op errors translated (``_collective_failures``)."""
 
     @functools.wraps(func)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
-        try:
+        with _collective_failures():
             return func(*args, **kwargs)
-        except tf.errors.UnknownError as e:
-            if any(op in str(e) for op in _HOROVOD_OPS):
-                raise HorovodInternalError(e) from e
-            raise
 
     return run_fn(wrapped, _reset)
 
@@ -78,7 +86,11 @@ class TensorFlowKerasState(ObjectState):
         super().__init__(bcast_object=_bcast_object, get_rank=_rank, **kwargs)
 
     def _variables(self) -> tuple[list, list]:
-        return list(self.model.variables), _optimizer_variables(self.optimizer)
+        opt = self.optimizer
+        if opt is not None and not getattr(opt, "built", True) and self.model.trainable_variables:
+            # a worker that joined has not trained yet: its slots must exist to receive rank 0's
+            opt.build(self.model.trainable_variables)
+        return list(self.model.variables), _optimizer_variables(opt)
 
     def save(self) -> None:
         model_vars, opt_vars = self._variables()
@@ -98,8 +110,9 @@ class TensorFlowKerasState(ObjectState):
         from horovod.tensorflow.functions import broadcast_variables
 
         model_vars, opt_vars = self._variables()
-        broadcast_variables(model_vars + opt_vars, root_rank=0)
-        super().sync()
+        with _collective_failures():
+            broadcast_variables(model_vars + opt_vars, root_rank=0)
+            super().sync()
         self.save()
 
 
@@ -124,7 +137,8 @@ class TensorFlowState(ObjectState):
     def sync(self) -> None:
         from horovod.tensorflow.functions import broadcast_variables
 
-        if self.variables:
-            broadcast_variables(self.variables, root_rank=0)
-        super().sync()
+        with _collective_failures():
+            if self.variables:
+                broadcast_variables(self.variables, root_rank=0)
+            super().sync()
         self.save()

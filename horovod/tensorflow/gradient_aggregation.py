@@ -17,7 +17,14 @@ from horovod.base.reduce_ops import predivide_scales
 from horovod.common import basics as _basics
 from horovod.common.process_sets import ProcessSet, global_process_set
 from horovod.tensorflow.compression import Compression
-from horovod.tensorflow.mpi_ops import Average, Sum, _normalize_name, allreduce, grouped_allreduce
+from horovod.tensorflow.mpi_ops import (
+    Average,
+    _normalize_name,
+    allreduce,
+    grouped_allreduce,
+    set_size_tensor,
+    size_read_at_run_time,
+)
 from horovod.tensorflow.util import split_list
 
 __all__ = ["GradientReducer", "check_reduce_args"]
@@ -45,7 +52,7 @@ class GradientReducer:
     def __init__(self, *, compression=Compression.none, sparse_as_dense: bool = False, op: int = Average,
                  gradient_predivide_factor: float = 1.0, num_groups: int = 0, groups=None,
                  process_set: ProcessSet = global_process_set, scale_local_gradients: bool = True,
-                 name: str = "") -> None:
+                 name: str = "", ignore_name_scope: bool = False) -> None:
         check_reduce_args(op, gradient_predivide_factor, groups, num_groups)
         if num_groups and groups is None:
             groups = num_groups
@@ -57,6 +64,9 @@ class GradientReducer:
         self.process_set = process_set
         self.scale_local_gradients = scale_local_gradients
         self.name = name
+        # graph-mode names without the enclosing scopes: Keras 3 applies gradients inside the optimizer's
+        # name scope, numbered per process ("sgd", "sgd_1" once another optimizer exists on that rank only)
+        self.ignore_name_scope = ignore_name_scope
         self._local_refs: set = set()
 
     def register_local_var(self, var) -> None:
@@ -82,9 +92,8 @@ class GradientReducer:
         variables = list(variables) if variables is not None else [None] * len(grads)
         if self.sparse_as_dense:
             grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads]
-        set_size = self._set_size()
-        included = self.process_set.included()
-        if set_size <= 1 or not included:
+        # a step traced in an elastic job reduces at any size: it may run again after the job grows
+        if not self.process_set.included() or (self._set_size() <= 1 and not size_read_at_run_time()):
             return grads
         out = list(grads)
         dense_idx: list[int] = []
@@ -92,14 +101,14 @@ class GradientReducer:
             if g is None:
                 continue
             if self._is_local(v):
-                if self.scale_local_gradients and self.op == Average:
-                    out[i] = g / tf.cast(set_size, g.dtype)
+                if self.scale_local_gradients:  # upstream: whatever the op
+                    out[i] = g / set_size_tensor(self.process_set, g.dtype)
                 continue
             if isinstance(g, tf.IndexedSlices):
-                out[i] = allreduce(g, op=self.op if self.op in (Average, Sum) else Sum,
-                                   process_set=self.process_set,
+                # Adasum, Min, ...: upstream's NotImplementedError, not a silent Sum
+                out[i] = allreduce(g, op=self.op, process_set=self.process_set,
                                    name=f"{self.name}grad_{i}" if use_generic_names else None,
-                                   ignore_name_scope=use_generic_names)
+                                   ignore_name_scope=use_generic_names or self.ignore_name_scope)
                 continue
             dense_idx.append(i)
         for group in self._groups(dense_idx, variables):
@@ -140,6 +149,6 @@ class GradientReducer:
                 name = f"{_normalize_name(self.name)}_{_normalize_name(tensors[0].name)}_{len(tensors)}"
             reduced = grouped_allreduce(tensors, op=self.op, prescale_factor=pre, postscale_factor=post,
                                         process_set=self.process_set, name=name,
-                                        ignore_name_scope=use_generic_names)
+                                        ignore_name_scope=use_generic_names or self.ignore_name_scope)
             for p, r in zip(positions, reduced):
                 out[group[p]] = self.compression.decompress(r, compressed[p][1])

@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import tensorflow as tf
 
+from horovod.base.config import read_env
 from horovod.base.reduce_ops import data_plane_op
 from horovod.common import basics as _basics_mod
 from horovod.common import ops as _ops
@@ -83,6 +84,19 @@ def _core_name(prefix: str, tensor, name: str | None, ignore_name_scope: bool) -
 def _set_size(process_set: ProcessSet) -> int:
     ranks = _basics_mod.process_set_ranks(process_set.process_set_id)
     return len(ranks) if ranks else _basics_mod.size()
+
+
+def size_read_at_run_time() -> bool:
+    """Whether a graph being traced must read the world size when it runs (upstream's ``size_op()`` under
+    ``HOROVOD_ELASTIC=1``): an elastic job's traced steps outlive the size they were traced at."""
+    return not tf.executing_eagerly() and bool(read_env("HOROVOD_ELASTIC"))
+
+
+def set_size_tensor(process_set: ProcessSet, dtype) -> tf.Tensor:
+    """The set's size as a ``dtype`` tensor: a constant, or read when the graph runs in an elastic job."""
+    if size_read_at_run_time():
+        return tf.cast(size_op(process_set.process_set_id), dtype)
+    return tf.cast(_set_size(process_set), dtype)
 
 
 def _set_rank(process_set: ProcessSet) -> int:
@@ -302,9 +316,10 @@ def allreduce(tensor, average: bool | None = None, device_dense: str = "", devic
                            process_set=process_set, ignore_name_scope=ignore_name_scope)
         indices = allgather(tensor.indices, name=None if base is None else base + "_indices",
                             process_set=process_set, ignore_name_scope=ignore_name_scope)
-        _, post = data_plane_op(op, 1.0, _set_size(process_set))  # Average: Sum, then / size
-        if post != 1.0:
-            values = values * tf.cast(post, values.dtype)
+        if op == Average and size_read_at_run_time():
+            values = values / set_size_tensor(process_set, values.dtype)
+        elif op == Average:  # Sum, then / size
+            values = values * tf.cast(data_plane_op(op, 1.0, _set_size(process_set))[1], values.dtype)
         return tf.IndexedSlices(values, indices, dense_shape=tensor.dense_shape)
     tensor = _as_tensor(tensor)
     if op == Adasum:
@@ -536,7 +551,7 @@ def _reducescatter_grad(dy, op, process_set, ignore_name_scope, prescale_factor=
     """Upstream's reducescatter gradient: ``allgather(dy)``, × the set size for Sum (as the allreduce
     gradient sums every rank's identical ``dy``), × the scale factors; Average is ``allgather(dy)``."""
     if op == Sum:
-        dy = dy * tf.cast(_set_size(process_set), dy.dtype)
+        dy = dy * set_size_tensor(process_set, dy.dtype)
     scale = prescale_factor * postscale_factor
     if scale != 1.0:
         dy = dy * tf.cast(scale, dy.dtype)

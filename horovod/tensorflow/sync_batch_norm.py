@@ -6,7 +6,8 @@ import keras
 import tensorflow as tf
 
 from horovod.common import basics as _basics
-from horovod.tensorflow.mpi_ops import Sum, _allreduce
+from horovod.common.process_sets import global_process_set
+from horovod.tensorflow.mpi_ops import Sum, _allreduce, set_size_tensor, size_read_at_run_time
 
 __all__ = ["SyncBatchNormalization"]
 
@@ -35,11 +36,10 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
         mean, variance = super()._moments(inputs, mask)
         if not _basics.is_initialized():  # not this process's statistics without a word
             raise ValueError(_basics.NOT_INITIALIZED)
-        size = _basics.size()
-        if size <= 1:
+        if _basics.size() <= 1 and not size_read_at_run_time():  # (elastic: the job may grow under this trace)
             return mean, variance
         stacked = tf.stack([mean, variance + tf.square(mean)])
-        total = _allreduce(stacked, op=Sum) / tf.cast(size, stacked.dtype)
+        total = _allreduce(stacked, op=Sum) / set_size_tensor(global_process_set, stacked.dtype)
         g_mean = total[0]
         return g_mean, total[1] - tf.square(g_mean)
 

@@ -80,3 +80,19 @@ def test_state_callbacks_start_from_the_restored_state_in_every_fit():
     assert result["after_first"] == 1
     assert result["after_second"] == 1 + 2  # restored epoch + the two epochs this fit ran
     assert result["steps"] == [4, 8 - 3, 8]  # the restored batches come off this fit's first epoch only
+
+
+def test_keras_worker_joins_a_job_traced_at_size_one(elastic_job):
+    """One worker traces its training step at size 1, a second host appears: the step traced earlier must still
+    reduce with the newcomer (it was traced without any allreduce -- the newcomer waited for the old rank's
+    gradients until the stall deadline, then the same again in every generation)."""
+    job = elastic_job(["localhost:1"], ["-np", "1", "--min-np", "1", "--max-np", "2"],
+                      worker="worker_keras.py", samples=48, batch=2, epochs=2, sleep=0.05)
+    job.wait_steps(4, size=1, timeout=90)
+    job.set_hosts(["localhost:1", "127.0.0.1:1"])
+    assert job.wait() == 0, job.output()
+    result = job.result()
+    assert result["uses"] == [2] * 48, result
+    assert result["w"] == result["expected_w"], result
+    assert result["sizes"] == [1, 2], result
+    job.assert_no_leftovers()

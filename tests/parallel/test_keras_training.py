@@ -325,6 +325,75 @@ def test_partial_distribution_keeps_local_layers_local(how, scale):
         assert not np.allclose(expected[0][2], expected[1][2])
 
 
+@pytest.mark.parametrize("op", [hvd.Average, hvd.Sum], ids=["average", "sum"])
+def test_local_gradients_are_scaled_whatever_the_op(op):
+    """Upstream divides a local source's gradient by the set size whenever ``scale_local_gradients``, whatever
+    the op (it used to be divided under Average only); the others are reduced with ``op``."""
+    x, y = problem()
+    model = make_model()
+    rank0_init(model)
+    variables = model.trainable_variables
+    with tf.GradientTape(persistent=True) as tape:
+        loss = tf.reduce_mean((model(tf.constant(shard(x, 0)[0])) - tf.constant(shard(y, 0)[0])) ** 2)
+    own = [g.numpy() for g in tape.gradient(loss, variables)]
+    every = [hvd.allgather_object(g) for g in own]
+    dist = hvd.PartialDistributedGradientTape(tape, local_layers=model.layers[1], op=op)
+    got = [g.numpy() for g in dist.gradient(loss, variables)]
+    n = hvd.size()
+    for i, g in enumerate(got):
+        if i in (2, 3):  # the local layer
+            expected = own[i] / n
+        else:
+            expected = np.sum(every[i], 0) / (n if op == hvd.Average else 1)
+        np.testing.assert_allclose(g, expected, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("op", [hvd.Adasum, hvd.Min, hvd.Max, hvd.Product])
+def test_sparse_gradients_refuse_the_ops_they_cannot_take(op):
+    """An embedding's IndexedSlices gradient under a tape with Adasum/Min/Max/Product: upstream's
+    NotImplementedError on every rank (it used to be summed without a word)."""
+    emb = tf.Variable(tf.ones([4, 2]))
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(tf.gather(emb, [hvd.rank() % 4, 2]) * (hvd.rank() + 1.0))
+    with pytest.raises(NotImplementedError, match="Adasum reduction does not currently support sparse" if op ==
+                       hvd.Adasum else "Only Sum and Average ops are supported with tf.IndexedSlices"):
+        hvd.DistributedGradientTape(tape, op=op).gradient(loss, [emb])
+
+
+def test_an_optimizer_made_on_one_rank_only_does_not_rename_the_reductions():
+    """Keras 3 numbers optimizers per process ("sgd", "sgd_1") and applies gradients in that name scope: an
+    extra optimizer on rank 0 only (an evaluation model's, say) made the ranks' reduction names differ -- a
+    stall.  Training now matches every rank's batches averaged."""
+    if hvd.rank() == 0:
+        keras.optimizers.SGD(0.1)  # only here: this rank's next SGD is "sgd_<k+1>"
+    x, y = problem()
+    model = make_model()
+    init = rank0_init(model)
+    model.compile(optimizer=hvdk.DistributedOptimizer(keras.optimizers.SGD(0.1)), loss="mse")
+    rows = np.concatenate([shard(x, s)[0] for s in range(STEPS)])
+    targets = np.concatenate([shard(y, s)[0] for s in range(STEPS)])
+    model.fit(rows, targets, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    assert_close(model.get_weights(), simulated_partial_weights(init, set(), True)[hvd.rank()])
+
+
+def test_keras_state_sync_builds_an_optimizer_that_has_not_run():
+    """A worker joining an elastic job has not built its optimizer; the others have: ``KerasState.sync()``
+    builds it so every rank broadcasts the same variables (a stall before), and the slots come from rank 0."""
+    model = make_model()
+    opt = hvdk.DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9))
+    model.compile(optimizer=opt, loss="mse")
+    if hvd.rank() == 0:  # the survivor has trained: built, with momentum of its own
+        opt.build(model.trainable_variables)
+        for v in opt.variables:
+            if "momentum" in v.path:
+                v.assign(tf.fill(v.shape, 0.5))
+    state = hvdk.elastic.KerasState(model, batch=0, epoch=0)
+    state.sync()
+    momenta = [v.numpy() for v in opt.variables if "momentum" in v.path]
+    assert momenta and all(np.all(m == 0.5) for m in momenta), momenta
+    assert_same_on_all_ranks(model.get_weights())
+
+
 def test_distributed_model_save_reload(tmp_path_factory):
     model = hvdk.DistributedModel(make_model())
     model.compile(optimizer="adam", loss="mse", jit_compile=True)

@@ -132,6 +132,13 @@ def generation() -> int:
     return _generation
 
 
+def participation_epoch() -> tuple[int, int]:
+    """(generation, joins completed): changes, at the same point on every rank, whenever the ranks taking part
+    in reductions may have changed (a new generation of the job, or the end of a ``join()`` during which
+    joined ranks only added zeros).  A check done once "per epoch" is then done by every rank or by none."""
+    return _generation, engine().executor.joins_completed
+
+
 def _register_static_sets(sets: list[ProcessSet], world_size: int) -> list[ProcessSet]:
     seen: list[list[int]] = [list(range(world_size))]
     for i, ps in enumerate(sets):

@@ -65,6 +65,9 @@ class Executor:
         self.queue = queue
         self.communicator = communicator
         self.timeline = timeline
+        # JOIN responses run so far: each is the same point of every rank's response stream, the moment
+        # at which every rank had joined (see basics.participation_epoch)
+        self.joins_completed = 0
 
     def execute(self, resp: Response) -> list[TensorEntry | None]:
         """Run ``resp``; returns its entries (None where this rank contributed zeros) for cache bookkeeping."""
@@ -77,6 +80,8 @@ class Executor:
             return entries
         if rtype in (RequestType.BARRIER, RequestType.JOIN, RequestType.ADD_PROCESS_SET,
                      RequestType.REMOVE_PROCESS_SET):
+            if rtype == RequestType.JOIN:
+                self.joins_completed += 1
             result = resp.last_joined_rank if rtype == RequestType.JOIN else list(resp.payload)
             for e in entries:
                 if e is not None:

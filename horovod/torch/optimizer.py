@@ -84,10 +84,10 @@ class _Bucket:
         # the same name on every rank whatever the layout: a bucket of another size is the engine's shape
         # mismatch error at once (a name with the size in it never matched: a stall)
         self.name = name
-        # the job generation (basics.generation()) in which every rank's bucket was found to hold the same shapes:
-        # checked at the bucket's first reduction in each generation, as every rank of a new one (an elastic
-        # reset, init() again) must send the check, whoever took part in the last
-        self.layout_checked_in = 0
+        # the participation epoch (basics.participation_epoch()) in which every rank's bucket was found to hold
+        # the same shapes: checked at the bucket's first reduction in each, as every rank of a new generation
+        # (an elastic reset, init() again) or after a join() (a joined rank never sent the check) must send it
+        self.layout_checked_in = (0, 0)
         self.slots, offset = [], 0
         for p in params:
             self.slots.append(self.flat[offset:offset + p.numel()].view(p.shape))
@@ -143,7 +143,7 @@ class _BucketReduction:
         _, d, d2 = bucket.layout_moments().tolist()
         n, sum_d, sum_d2 = sums.tolist()
         if sum_d == n * d and sum_d2 == n * d2:
-            bucket.layout_checked_in = basics.generation()
+            bucket.layout_checked_in = basics.participation_epoch()
             return
         with contextlib.suppress(Exception):  # the bucket's own allreduce: done, or failed on the shapes
             synchronize(self.handle)
@@ -278,7 +278,10 @@ class _DistributedOptimizer:
                     if id(p) in seen:
                         raise ValueError("A parameter can only appear once in groups.")
                     seen.add(id(p))
-            return [list(g) for g in groups if len(g)]
+            # as upstream: only what this optimizer updates (a frozen parameter listed in a group got a zero
+            # gradient, and momentum or weight decay moved it)
+            trained = {id(p) for g in self._optimizer.param_groups for p in g["params"] if p.requires_grad}
+            return [kept for g in groups if (kept := [p for p in g if id(p) in trained])]
         if not isinstance(groups, int) or groups < 0:
             raise ValueError("groups should be a non-negative integer or a list of list of torch.Tensor.")
         params = [p for group in self._optimizer.param_groups for p in group["params"] if p.requires_grad]
@@ -368,13 +371,27 @@ class _DistributedOptimizer:
             pass
 
     def _finish_started(self) -> None:
-        """End of the backward pass: wait for the reductions it started (the others wait for step())."""
+        """End of a step's last backward pass: start what it gave no gradient (zeros, as DDP's unused
+        parameters), then wait for every reduction.  Another rank's pass may have used what this one did not
+        (a dynamic forward: experts, branches) and wait for it here; starting it only in ``step()`` deadlocked.
+        A gradient that a later backward pass of the same step brings is reduced again, alone."""
         self._callback_queued = False
-        for bucket in self._buckets:  # a bucket whose other gradients did not come (unused parameters)
-            if bucket.filled and not bucket.launched:
-                self._launch_bucket(bucket)
+        self._launch_the_rest()
         for reduction in {id(r): r for r in self._pending.values()}.values():
             reduction.finish()
+
+    def _launch_the_rest(self) -> None:
+        """Start every reduction not started in this step, with zeros for the gradients that did not come."""
+        if self._groups is not None:
+            for gid, group in enumerate(self._groups):
+                if group[0] not in self._pending:
+                    self._launch(group, gid)
+        for bucket in self._buckets:
+            if not bucket.launched:
+                self._launch_bucket(bucket)
+        for p in self._requires_update:
+            if p not in self._pending:
+                self._launch([p])
 
     def _fill(self, bucket: _Bucket, i: int) -> None:
         """Copy parameter i's gradient into its slot; reduce the bucket once every slot is in."""
@@ -411,7 +428,7 @@ class _DistributedOptimizer:
                     bucket.slots[i].copy_(p.grad)
         prescale, postscale = predivide_scales(self.op, self.gradient_predivide_factor)
         bucket.launched = True
-        layouts = None if bucket.layout_checked_in == basics.generation() else allreduce_async_(
+        layouts = None if bucket.layout_checked_in == basics.participation_epoch() else allreduce_async_(
             bucket.layout_moments(), name=f"{bucket.name}.layout", op=Sum, process_set=self.process_set)
         handle = allreduce_async_(bucket.flat, name=bucket.name, op=self.op, prescale_factor=prescale,
                                   postscale_factor=postscale, process_set=self.process_set)
@@ -465,16 +482,7 @@ class _DistributedOptimizer:
             return
         if self._frozen:
             self._adopt_unfrozen()
-        if self._groups is not None:
-            for gid, group in enumerate(self._groups):
-                if group[0] not in self._pending:
-                    self._launch(group, gid)
-        for bucket in self._buckets:
-            if not bucket.launched:
-                self._launch_bucket(bucket)
-        for p in self._requires_update:
-            if p not in self._pending:
-                self._launch([p])
+        self._launch_the_rest()
         try:
             for reduction in list(self._pending.values()):
                 reduction.finish()

@@ -154,6 +154,97 @@ def test_unused_parameter_gets_zero_gradient():
     assert extra.grad is not None and torch.equal(extra.grad, torch.zeros(2))
 
 
+class Experts(nn.Module):
+    """A dynamic forward: each rank routes through an expert of its own.  Expert 0 is one 360 KiB weight
+    (reduced alone), expert 1 small tensors (bucketed)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(7)
+        self.inp = nn.Linear(6, 300)
+        self.experts = nn.ModuleList([nn.Linear(300, 300, bias=False),
+                                      nn.Sequential(nn.Linear(300, 8), nn.Linear(8, 300))])
+        self.out = nn.Linear(300, 3)
+
+    def forward(self, x: torch.Tensor, expert: int) -> torch.Tensor:
+        return self.out(torch.tanh(self.experts[expert](torch.tanh(self.inp(x)))))
+
+
+@pytest.mark.parametrize("groups", [None, 2], ids=["buckets", "groups"])
+def test_parameters_used_on_some_ranks_only(groups):
+    """Each rank uses another expert: every gradient is averaged when backward() returns, with zeros from the
+    ranks that did not use it (as upstream's synchronize() and DDP's unused parameters).  Before, each rank
+    waited at the end of backward() for an expert's gradient that the other started only in step()."""
+    x, y = batch(1, ROWS * SIZE)[0]
+    model = Experts()
+    route = [r % 2 for r in range(SIZE)]
+    expected: dict[str, torch.Tensor] = {}
+    for r in range(SIZE):  # each rank's own gradients, plainly, then averaged
+        ref = copy.deepcopy(model)
+        F.mse_loss(ref(x[r * ROWS:(r + 1) * ROWS], route[r]), y[r * ROWS:(r + 1) * ROWS]).backward()
+        for name, p in ref.named_parameters():
+            g = p.grad if p.grad is not None else torch.zeros_like(p)
+            expected[name] = expected.get(name, 0) + g / SIZE
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters(), groups=groups)
+    for _ in range(2):  # and again: a second step finds every reduction's name free
+        opt.zero_grad()
+        F.mse_loss(model(my_rows(x, 1, 0), route[RANK]), my_rows(y, 1, 0)).backward()
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(p.grad, expected[name], rtol=1e-5, atol=1e-7, msg=name)
+        with opt.skip_synchronize():
+            opt.step()
+        model.load_state_dict(Experts().state_dict())  # back to the start: the same gradients again
+
+
+def test_frozen_parameter_listed_in_a_group_is_left_alone():
+    """``groups=[all parameters]`` with one frozen: upstream keeps only what the optimizer trains; the frozen
+    weight got a zero gradient and weight decay and momentum moved it."""
+    model = make_model()
+    model[0].weight.requires_grad_(False)
+    frozen = model[0].weight.detach().clone()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.1),
+                                   named_parameters=model.named_parameters(), groups=[list(model.parameters())])
+    for x, y in batch(2, ROWS * SIZE):
+        opt.zero_grad()
+        F.mse_loss(model(my_rows(x, 1, 0)), my_rows(y, 1, 0)).backward()
+        opt.step()
+    assert model[0].weight.grad is None and torch.equal(model[0].weight, frozen)
+    assert not torch.equal(model[2].weight, make_model()[2].weight)
+
+
+def test_join_before_any_step_then_train():
+    """Rank 1 has no batch in the first epoch and joins at once; the others step (their buckets' first
+    reduction checks the layout, rank 1 adding zeros); in the next epoch every rank steps.  Rank 1's first
+    reduction sent the layout check the others had done already: a stall.  Every rank now checks again after
+    a join, and the weights match a plain run of the same batches."""
+    if SIZE < 2:
+        return
+    data = batch(4, ROWS * SIZE)
+    epochs = [data[:2], data[2:]]
+    ref = make_model()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for epoch, batches in enumerate(epochs):  # epoch 0: every rank's rows but rank 1's; epoch 1: all
+        rows = [r for r in range(SIZE) if epoch or r != 1]
+        for x, y in batches:
+            ref_opt.zero_grad()
+            # joined ranks add zeros to the average over SIZE ranks
+            sum(F.mse_loss(ref(x[r * ROWS:(r + 1) * ROWS]), y[r * ROWS:(r + 1) * ROWS]) for r in rows).div(
+                SIZE).backward()
+            ref_opt.step()
+    model = make_model()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    for epoch, batches in enumerate(epochs):
+        for x, y in batches if epoch or RANK != 1 else []:
+            opt.zero_grad()
+            F.mse_loss(model(my_rows(x, 1, 0)), my_rows(y, 1, 0)).backward()
+            opt.step()
+        hvd.join()
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)  # rank 1 did not step: upstream's recipe
+    assert_same(ref, model, atol=1e-6)
+
+
 def test_torch_compile():
     data = batch(2, ROWS * SIZE)
     ref = make_model()

@@ -210,6 +210,7 @@ class _DistributedOptimizer:
         self._groups = self._make_groups(groups)
         self._group_of: dict[torch.Tensor, int] = {p: i for i, g in enumerate(self._groups or []) for p in g}
         self._pending: dict[torch.Tensor, _Reduction] = {}
+        self._reduced_grads: dict[torch.Tensor, weakref.ref] = {}  # the gradient tensor each reduction used
         self._seen: set[torch.Tensor] = set()
         self._group_ready: dict[int, set] = {}
         self._delay: dict[torch.Tensor, int] = {}
@@ -342,7 +343,12 @@ class _DistributedOptimizer:
     # ------------------------------------------------------------------ hooks
     def _grad_ready(self, p: torch.Tensor) -> None:
         if self._delay[p] <= 0:
-            raise AssertionError(_TOO_MANY_PASSES)
+            reduced = self._reduced_grads.get(p)
+            if reduced is None or reduced() is p.grad or any(not r.done for r in self._pending.values()):
+                raise AssertionError(_TOO_MANY_PASSES)
+            # a new gradient tensor since the last reduction: the gradients were cleared behind our back
+            # (model.zero_grad() after a step that GradScaler skipped), so this is the next step's first pass
+            self._reset_counters()
         self._delay[p] -= 1
         self._seen.add(p)
         if self._delay[p] > 0:
@@ -406,6 +412,7 @@ class _DistributedOptimizer:
             self._launch([p])
         elif grad.data_ptr() != bucket.slots[i].data_ptr():
             bucket.slots[i].copy_(grad)
+        self._reduced_grads[p] = weakref.ref(grad)
         bucket.filled.add(i)
         if len(bucket.filled) == len(bucket.params):
             self._launch_bucket(bucket)
@@ -426,6 +433,7 @@ class _DistributedOptimizer:
                     self._launch([p])
                 else:
                     bucket.slots[i].copy_(p.grad)
+                self._reduced_grads[p] = weakref.ref(p.grad)
         prescale, postscale = predivide_scales(self.op, self.gradient_predivide_factor)
         bucket.launched = True
         layouts = None if bucket.layout_checked_in == basics.participation_epoch() else allreduce_async_(
@@ -470,6 +478,7 @@ class _DistributedOptimizer:
             reduction = _Reduction(list(params), tensors, ctxs, handle, self._compression, sparse_dims)
         for p in params:
             self._pending[p] = reduction
+            self._reduced_grads[p] = weakref.ref(p.grad)
 
     # ------------------------------------------------------------------ public API (upstream's)
     def synchronize(self) -> None:
@@ -501,6 +510,7 @@ class _DistributedOptimizer:
 
     def _reset_counters(self) -> None:
         self._pending.clear()
+        self._reduced_grads.clear()
         self._seen.clear()
         self._group_ready.clear()
         for bucket in self._buckets:

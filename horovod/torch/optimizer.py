@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from horovod.base.config import read_env
+from horovod.base.exceptions import PreconditionError
 from horovod.base.reduce_ops import predivide_scales
 from horovod.common import basics
 from horovod.common.basics import Adasum, Average, Sum
@@ -147,7 +148,7 @@ class _BucketReduction:
             return
         with contextlib.suppress(Exception):  # the bucket's own allreduce: done, or failed on the shapes
             synchronize(self.handle)
-        raise ValueError(
+        raise PreconditionError(  # as the engine's own shape mismatch
             f"Mismatched ALLREDUCE tensor shapes: the gradients reduced together as {bucket.name} do not have the "
             f"same shapes on every rank; this rank's: {_short(bucket.shapes())}. Every rank must train the "
             "same model.")

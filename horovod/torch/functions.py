@@ -11,7 +11,7 @@ from horovod.common import basics
 from horovod.common.objects import allgather_object as _allgather_object
 from horovod.common.objects import broadcast_object as _broadcast_object
 from horovod.common.process_sets import ProcessSet, global_process_set
-from horovod.torch.mpi_ops import broadcast_async_, synchronize
+from horovod.torch.mpi_ops import _run_outside_compile, broadcast_async_, synchronize
 
 __all__ = ["broadcast_parameters", "broadcast_optimizer_state", "broadcast_object", "allgather_object"]
 
@@ -103,3 +103,5 @@ def allgather_object(obj: Any, name: str | None = None,
     """Return the list of every member's ``obj``, ordered by rank."""
     return _allgather_object(obj, name, process_set)
 
+
+_run_outside_compile(globals(), __all__)  # collectives inside torch.compile run eagerly (mpi_ops)

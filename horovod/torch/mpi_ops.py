@@ -10,6 +10,10 @@ Async calls return integer handles.  ``_handle_map`` keeps each pending operatio
 input and output tensors — alive until ``synchronize``: the engine reads and writes those buffers after
 the async call has returned, so they must not be freed or reused earlier.
 
+``torch.compile``: every public function here (and in ``horovod.torch.functions``) runs outside Dynamo
+(:func:`_outside_compile`): a collective inside a compiled function is a graph break and runs eagerly, as
+upstream's C++ op did, instead of Dynamo tracing the engine's numpy code that this thread may run.
+
 Dtypes: upstream's (allreduce/reducescatter: int32, int64, float16, float32, float64; allgather,
 broadcast, alltoall also uint8, int8, int16), plus bfloat16 everywhere and bool for allgather, broadcast
 and alltoall (documented in docs/torch.md).
@@ -17,6 +21,8 @@ and alltoall (documented in docs/torch.md).
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -644,3 +650,33 @@ class _HorovodGroupedReducescatter(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         return (None,) * 5 + tuple(_reducescatter_grad(g, *ctx.args) for g in grads)
+
+
+# ---------------------------------------------------------------------- torch.compile
+def _outside_compile(fn: Callable) -> Callable:
+    """``fn`` run outside Dynamo (``torch.compiler.disable``, recursive): inside a compiled function the call
+    is a graph break and everything below it -- the engine's round, which the waiting thread may run itself,
+    numpy, sockets -- runs eagerly instead of being traced.  The disabled wrapper is made on the first call,
+    so importing ``horovod.torch`` does not import ``torch._dynamo`` (a second of start-up; a torch optimizer
+    imports it anyway); an eager call costs well under a microsecond more."""
+    disabled = None
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        nonlocal disabled
+        if disabled is None:
+            disabled = torch.compiler.disable(fn)
+        return disabled(*args, **kwargs)
+
+    return call
+
+
+def _run_outside_compile(namespace: dict[str, Any], names: Sequence[str]) -> None:
+    """Replace the functions among ``names`` in a module's ``namespace`` by :func:`_outside_compile` ones, so
+    that every importer (``horovod.torch``, ``SyncBatchNorm``, ``DistributedOptimizer``'s hooks) gets them."""
+    for name in names:
+        if inspect.isfunction(namespace[name]):
+            namespace[name] = _outside_compile(namespace[name])
+
+
+_run_outside_compile(globals(), __all__)

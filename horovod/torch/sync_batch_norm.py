@@ -83,7 +83,7 @@ class SyncBatchNorm(_BatchNorm):
         var = allreduce((centered * centered).sum(dims), op=Sum, process_set=self.process_set) / n
         if self.training and self.track_running_stats:
             with torch.no_grad():
-                unbiased = var.detach() * (n / max(float(n) - 1, 1.0))
+                unbiased = var.detach() * (n / (n - 1).clamp(min=1.0))  # no .item(): no graph break
                 self.running_mean.mul_(1 - factor).add_(mean.detach().to(self.running_mean.dtype), alpha=factor)
                 self.running_var.mul_(1 - factor).add_(unbiased.to(self.running_var.dtype), alpha=factor)
         out = centered * torch.rsqrt(var + self.eps).view(shape)

@@ -5,6 +5,8 @@ variants for a few dtypes each.  Data are small integers, so sums and products a
 bfloat16 included.  Gradients are checked against upstream's analytic formulas (see the autograd section).
 """
 
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -418,3 +420,55 @@ def test_grouped_reducescatter_grad():
     (y,) = hvd.grouped_reducescatter([x], op=hvd.Sum)
     (y * w_of(RANK, (1, 2))).sum().backward()
     assert torch.allclose(x.grad, torch.cat([w_of(r, (1, 2)) for r in range(SIZE)]) * SIZE)
+
+
+# ---------------------------------------------------------------------- torch.compile
+# A collective inside a compiled function is a graph break and runs eagerly (upstream's C++ op did the same).
+# Before, Dynamo traced the engine's numpy code, which the waiting thread runs itself: the engine died
+# ("Expected np.nditer base") and the job hung or shut down.  These come last: a failure there took the engine
+# with it.  aot_eager: AOTAutograd as inductor uses it, without the C++ compile time.
+
+
+def test_collectives_inside_torch_compile():
+    root = SIZE - 1
+
+    @torch.compile(backend="aot_eager")
+    def step(x, w):
+        total = hvd.allreduce(x * 2, op=hvd.Sum, name="compiled.sum")
+        gathered = hvd.allgather(w + 1, name="compiled.gather")
+        sent = hvd.broadcast(w - 1, root_rank=root, name="compiled.bcast")
+        mean = hvd.synchronize(hvd.allreduce_async(w, name="compiled.async"))
+        inplace = hvd.allreduce_(w.clone(), op=hvd.Max, name="compiled.inplace")
+        return (total * w).sum(), gathered * 3, sent, mean, inplace
+
+    ws = [data(r, (2, 3), torch.float64) for r in range(SIZE)]
+    expected_total = sum(2 * x_of(r, (2, 3)).detach() for r in range(SIZE))
+    for _ in range(2):  # the second call runs the cached graphs
+        x = x_of(RANK, (2, 3))
+        loss, gathered, sent, mean, inplace = step(x, ws[RANK])
+        loss.backward()
+        assert torch.allclose(loss, (expected_total * ws[RANK]).sum())
+        np.testing.assert_array_equal(gathered.numpy(), 3 * np.concatenate([w.numpy() + 1 for w in ws]))
+        np.testing.assert_array_equal(sent.numpy(), ws[root].numpy() - 1)
+        np.testing.assert_allclose(mean.numpy(), np.mean([w.numpy() for w in ws], axis=0))
+        np.testing.assert_array_equal(inplace.numpy(), np.max([w.numpy() for w in ws], axis=0))
+        # d loss / dx: the Sum-allreduce of every rank's 2 * w
+        np.testing.assert_allclose(x.grad.numpy(), 2 * sum(w.numpy() for w in ws))
+
+
+def test_sync_batch_norm_model_under_torch_compile():
+    torch.manual_seed(3)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), hvd.SyncBatchNorm(6), torch.nn.ReLU(),
+                                torch.nn.Linear(6, 2)).double()
+    twin = copy.deepcopy(model)
+    compiled = torch.compile(twin, backend="aot_eager")
+    for _ in range(2):
+        x = x_of(RANK, (5 + RANK, 4)).detach()  # batch sizes differ across ranks
+        out, out_c = model(x), compiled(x)
+        np.testing.assert_allclose(out_c.detach().numpy(), out.detach().numpy(), rtol=1e-10, atol=1e-12)
+        (out * w_of(RANK, out.shape)).sum().backward()
+        (out_c * w_of(RANK, out.shape)).sum().backward()
+        for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+            np.testing.assert_allclose(q.grad.numpy(), p.grad.numpy(), rtol=1e-10, atol=1e-12, err_msg=name)
+        for b, c in zip(model.buffers(), twin.buffers()):
+            np.testing.assert_allclose(c.numpy(), b.numpy(), rtol=1e-10, atol=1e-12)

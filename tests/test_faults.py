@@ -197,6 +197,28 @@ def test_rank_exiting_early_fails_the_next_collective(tmp_path):
     assert code == 0
 
 
+def test_an_uncaught_exception_is_named_on_the_other_ranks(tmp_path):
+    """A rank ending with an uncaught exception: the others' errors say which exception, not only that the
+    rank "called shutdown()" (its atexit did)."""
+    body = """
+        hvd.init()
+        hvd.allreduce(np.ones(2), name="together")
+        if hvd.rank() == 1:
+            raise KeyError("no such column 'label'")
+        try:
+            hvd.allreduce(np.ones(2), name="after.raise")
+            report(ok=True)
+        except Exception as e:
+            report(error=str(e))
+    """
+    code, out = _run(tmp_path, 3, body, timeout=60.0)
+    reports = _reports(tmp_path, 3)
+    for r in (0, 2):
+        assert reports[r]["error"].endswith("Cause: rank 1 exited with an uncaught KeyError: \"no such column "
+                                            "'label'\""), reports[r]
+    assert code != 0
+
+
 def test_forked_child_of_a_rank_fails_at_once_and_leaves_the_rank_working(tmp_path):
     """A DataLoader worker (fork) that calls a collective: the child has the engine's state but not its threads,
     so the op waited forever (the loader with it).  Now it fails at once; the child exits normally (atexit) and

@@ -11,6 +11,7 @@ import atexit
 import dataclasses
 import logging
 import os
+import sys
 import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -113,7 +114,8 @@ def init(comm=None, process_sets: Sequence[ProcessSet] | str | None = None) -> N
         _initialized = True
         naming.reset()
         if not _atexit_registered:
-            atexit.register(shutdown)
+            atexit.register(_shutdown_at_exit)
+            sys.excepthook = _recording_excepthook(sys.excepthook)
             _atexit_registered = True
 
 
@@ -158,19 +160,45 @@ def _register_static_sets(sets: list[ProcessSet], world_size: int) -> list[Proce
     return sets
 
 
+_uncaught: str | None = None  # the exception ending this process, for the cause the other ranks see
+
+
+def _recording_excepthook(previous):
+    """``sys.excepthook`` that notes the exception ending the program, then runs ``previous`` (it prints)."""
+
+    def hook(exc_type, exc, tb):
+        global _uncaught
+        text = str(exc).strip().splitlines()
+        _uncaught = exc_type.__name__ + (f": {text[0][:200]}" if text else "")
+        previous(exc_type, exc, tb)
+
+    return hook
+
+
+def _shutdown_at_exit() -> None:
+    """At interpreter exit: the other ranks' pending operations fail naming this rank and, when an uncaught
+    exception ends the program, that exception (not only "called shutdown()")."""
+    engine = _engine
+    _stop(None if _uncaught is None or engine is None else f"rank {engine.rank} exited with an uncaught {_uncaught}")
+
+
 def shutdown() -> None:
     """Stop the engine; pending operations fail with the shut-down error.  Safe when not initialized.
 
     Ends the generation for every rank (their pending and later operations fail with ShutdownError naming
     this rank); the next init() starts a new one.
     """
+    _stop(None)
+
+
+def _stop(reason: str | None) -> None:
     global _initialized
     with _lock:
         engine = _engine
         _initialized = False
         if engine is None or engine.forked_from is not None:  # a forked child: the rank owns all of it
             return
-        engine.shutdown()
+        engine.shutdown(reason)
         for ps in _static_sets:
             ps._invalidate()
         _release_mpi()

@@ -106,6 +106,17 @@ def _leave(store: Any, generation: int, why: str) -> None:
         logger.warning("elastic: could not report leaving generation %d: %s", generation, e)
 
 
+def _removed_between(store: Any, slot: str, after: int, generation: int) -> bool:
+    """Whether a generation this worker skipped (``after`` < g < ``generation``) assigned its slot rank -1.
+    The driver never gives a removed worker a slot again: when the host comes back, the slot's assignment
+    is for the fresh worker started for it, not for this one (which would join as that worker's twin)."""
+    for g in range(after + 1, generation):
+        key = f"elastic/assign.{g}/{slot}"
+        if store.exists(key) and int(store.get(key, timeout=10.0).split(b",")[0]) < 0:
+            return True
+    return False
+
+
 class _AbortableStore:
     """The store as ``build_mesh`` sees it: waits end early when the driver ends the generation.
 
@@ -179,8 +190,11 @@ def rendezvous() -> Any:
     if _last_generation is not None:
         _leave(store, _last_generation, "re-initialising")
     while True:
+        previous = _last_generation
         generation, hosts_ts = _wait_generation(store, _last_generation, deadline)
         _last_generation = generation
+        if previous is not None and _removed_between(store, slot, previous, generation):
+            raise RuntimeError(REMOVED_MESSAGE.format(host=host, local_rank=local_rank))
         if store.exists(f"elastic/reset.{generation}"):
             _leave(store, generation, "joined a generation that was already ending")
             continue

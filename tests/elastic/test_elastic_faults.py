@@ -55,6 +55,28 @@ def test_host_removed(elastic_job):
     job.assert_no_leftovers()
 
 
+def test_host_removed_and_added_back_before_its_worker_exited(elastic_job):
+    """A host removed and added back while its removed worker is still exiting (told rank -1, it raised
+    upstream's 'has been removed' error and takes a while to go): the driver starts a fresh worker for the
+    slot.  It reused the exiting one, whose exit (1) then counted against the new generation and blacklisted
+    the host (sizes 2 -> 1 -> 1).  The worker here takes 30 s to exit; the driver reaps it after its grace."""
+    job = elastic_job(TWO_HOSTS, ARGS, env={"TEST_SLOW_REMOVED_EXIT": "30"})
+    job.wait_steps(5, size=2)
+    job.set_hosts(["localhost:1"])
+    deadline = time.monotonic() + 30
+    while not (job.out / "removed_exiting").exists():
+        assert time.monotonic() < deadline and job.proc.poll() is None, job.output()
+        time.sleep(0.05)
+    job.set_hosts(TWO_HOSTS)
+    assert job.wait() == 0, job.output()
+    result = job.assert_exact()
+    assert result["sizes"] == [2, 1, 2], (result, job.output())
+    log = job.log_text()
+    assert "removed from elastic job" in log
+    assert "blacklisting" not in log, job.output()
+    job.assert_no_leftovers()
+
+
 def test_host_added(elastic_job):
     job = elastic_job(["localhost:1"], ["-np", "1", "--min-np", "1", "--max-np", "2"])
     job.wait_steps(4, size=1)

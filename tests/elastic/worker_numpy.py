@@ -8,6 +8,8 @@ end; every worker registers ``pids/<slot>.<pid>`` so the test can kill or stop i
 
 Environment: TEST_OUT (directory), TEST_SAMPLES, TEST_BATCH, TEST_EPOCHS, TEST_STEP_SLEEP,
 TEST_DIE_IN_COMMIT=<slot>:<global step> (SIGKILL itself inside commit(), once),
+TEST_SLOW_REMOVED_EXIT=<seconds> (a worker told it was removed prints its traceback, touches
+``removed_exiting`` and takes that long to exit, as a large process does),
 TEST_DIE_IN_MESH=<slot> (SIGKILL itself in its first mesh formation, once: as it is about to connect to its
 peer, which then waits for a connection that never comes, or as its peer's connection arrives, which then
 retries a listener that is gone).
@@ -33,6 +35,7 @@ SLEEP = float(os.environ.get("TEST_STEP_SLEEP", "0.05"))
 DIE_IN_COMMIT = os.environ.get("TEST_DIE_IN_COMMIT", "")
 DIE_IN_MESH = os.environ.get("TEST_DIE_IN_MESH", "")
 SLOT = os.environ.get("HOROVOD_ELASTIC_SLOT", "?")
+SLOW_REMOVED_EXIT = float(os.environ.get("TEST_SLOW_REMOVED_EXIT", "0"))
 
 
 def g(indices):
@@ -59,6 +62,16 @@ if DIE_IN_MESH == SLOT and not os.path.exists(os.path.join(OUT, "died_in_mesh"))
 
     mesh._connect_and_prove = die  # rank 1: every peer's address is known, none connected
     mesh._Acceptor._accept = die  # rank 0: a peer's connection is waiting in the listener
+
+if SLOW_REMOVED_EXIT:
+    def slow_exit(kind, value, tb):
+        sys.__excepthook__(kind, value, tb)
+        if "has been removed from elastic job" in str(value):
+            sys.stderr.flush()
+            open(os.path.join(OUT, "removed_exiting"), "w").close()
+            time.sleep(SLOW_REMOVED_EXIT)
+
+    sys.excepthook = slow_exit
 
 hvd.init()
 sampler = ElasticSampler(N, shuffle=True, seed=3, batch_size=BS)

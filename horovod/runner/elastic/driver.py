@@ -71,6 +71,7 @@ class _Worker:
     label: int
     readers: list[threading.Thread]
     exited: int | None = None
+    removed: bool = False  # told rank -1: it exits, and is never given a slot again
 
 
 @dataclasses.dataclass
@@ -141,6 +142,7 @@ class ElasticDriver:
         self.plan = _Plan({})
         self.reset_count = 0
         self.workers: dict[str, _Worker] = {}
+        self.retired: list[_Worker] = []  # removed workers replaced by a fresh one before they had exited
         self.first_failure: tuple[int, int] | None = None  # (rank, exit code) of the first worker that failed
         self.late_failure: tuple[int, int] | None = None  # the first to exit non-zero after one succeeded
         self._exits: queue.Queue[tuple[_Worker, int]] = queue.Queue()
@@ -403,6 +405,7 @@ class ElasticDriver:
         for slot, w in self.workers.items():
             if slot not in new.slots and w.exited is None:
                 self._put(f"elastic/assign.{g}/{slot}", "-1,-1,-1,-1,-1,-1")
+                w.removed = True
         self._hosts_ts = self._notice_ts
         self.plan = new
         self._put("elastic/generation", f"{g} {self._hosts_ts!r}")
@@ -415,7 +418,13 @@ class ElasticDriver:
                 threading.Thread(target=self._reap_later, args=(w,), daemon=True).start()
         for slot, s in new.slots.items():
             w = self.workers.get(slot)
-            if w is None or w.exited is not None or w.proc.poll() is not None:
+            if w is not None and w.removed and w.exited is None:
+                # Its host came back before it had exited: it is exiting with upstream's "has been removed"
+                # error (or will, at the generation it reads), so it gets a successor whose generation its exit
+                # is no part of (reused, it failed the generation and its host was blacklisted).  Its reaper,
+                # started when it was removed, still ends it after the grace period.
+                self.retired.append(w)
+            if w is None or w.removed or w.exited is not None or w.proc.poll() is not None:
                 self._start_worker(slot, s)
 
     def _reap_later(self, worker: _Worker) -> None:
@@ -486,11 +495,12 @@ class ElasticDriver:
             worker.exited = code
 
     def _terminate_all(self) -> None:
-        procs = [w.proc for w in self.workers.values() if w.proc.poll() is None]
+        workers = [*self.workers.values(), *self.retired]
+        procs = [w.proc for w in workers if w.proc.poll() is None]
         if procs:
             spawn.terminate_workers(procs)
         deadline = time.monotonic() + 2.0
-        for w in self.workers.values():
+        for w in workers:
             for t in w.readers:
                 t.join(timeout=max(0.0, deadline - time.monotonic()))
 

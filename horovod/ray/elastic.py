@@ -200,7 +200,7 @@ class _RayElasticDriver(ElasticDriver):
             worker.proc.kill()
 
     def _terminate_all(self) -> None:
-        for w in self.workers.values():
+        for w in [*self.workers.values(), *self.retired]:
             w.proc.kill()
 
     def results(self) -> list[Any]:

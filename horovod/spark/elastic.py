@@ -457,9 +457,10 @@ def _make_driver(tasks: _SparkTasks, job: Any, settings_for: Callable[[Any], tas
         def _terminate_all(self) -> None:
             # The job is over (run() stops the store next): idle tasks end, running workers are stopped.
             self.server.put(task_mod.ABORT_KEY, b"1")
-            _stop_procs([w.proc for w in self.workers.values() if w.proc.poll() is None])
+            workers = [*self.workers.values(), *self.retired]
+            _stop_procs([w.proc for w in workers if w.proc.poll() is None])
             deadline = time.monotonic() + 2.0
-            for w in self.workers.values():
+            for w in workers:
                 for t in w.readers:
                     t.join(timeout=max(0.0, deadline - time.monotonic()))
 

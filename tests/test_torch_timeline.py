@@ -47,8 +47,8 @@ BODY = f"""
         for p, a, b in zip(model.parameters(), *local):
             worst = max(worst, float((p.grad - (a + b) / 2).abs().max()))
     names = [n for n, _ in model.named_parameters()]
-    hvt.shutdown()
     report(worst=worst, names=names)
+    hvt.shutdown()  # writes the timeline out
 """
 
 

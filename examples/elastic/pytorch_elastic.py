@@ -52,6 +52,7 @@ state.register_reset_callbacks([on_reset])
 def train(state):
     while state.epoch < args.epochs:
         state.sampler.set_epoch(state.epoch)  # keeps the progress of an epoch interrupted by a reset
+        loss = None  # a reset after the epoch's last batch resumes with no batch left to run
         for step, (x, y, idx) in enumerate(loader):
             optimizer.zero_grad()
             # Sum of per-sample losses, summed over ranks and divided by the global batch: the update does
@@ -64,7 +65,8 @@ def train(state):
             time.sleep(args.step_sleep)
             state.commit()  # after the optimizer step: these samples are now done
         if hvd.rank() == 0:
-            print(f"epoch {state.epoch} done on {hvd.size()} workers, loss {loss.item():.4f}", flush=True)
+            last = "" if loss is None else f", loss {loss.item():.4f}"
+            print(f"epoch {state.epoch} done on {hvd.size()} workers{last}", flush=True)
         state.epoch += 1
         state.commit()
 

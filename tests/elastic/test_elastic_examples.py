@@ -29,7 +29,7 @@ def _tagged(tag: str) -> list[tuple[psutil.Process, str]]:
     return found
 
 
-def _run_example(tmp_path, hosts: str, np_: int, max_np: int, act, done_marker: bytes) -> str:
+def _run_example(tmp_path, hosts: str, np_: int, max_np: int, act, done_marker: bytes, samples: int = 192) -> str:
     """The example under the elastic launcher, ``hosts`` its first discovery output; once its log holds
     ``done_marker`` and all ``np_`` workers run, ``act(workers, hosts_file)`` (a kill, new hosts) is called
     once.  Returns the log of a job that succeeded with every sample used exactly 3 times and left nothing."""
@@ -39,7 +39,7 @@ def _run_example(tmp_path, hosts: str, np_: int, max_np: int, act, done_marker: 
     env = dict(os.environ, **FAST_ENV, TEST_TAG=tag)
     cmd = [sys.executable, "-m", "horovod.runner", "-np", str(np_), "--min-np", "1", "--max-np", str(max_np),
            "--host-discovery-script", f"cat {hosts_file}", sys.executable,
-           str(REPO / "examples" / "elastic" / "pytorch_elastic.py"), "--samples", "192", "--epochs", "3",
+           str(REPO / "examples" / "elastic" / "pytorch_elastic.py"), "--samples", str(samples), "--epochs", "3",
            "--step-sleep", "0.2", "--lr", "0.01"]
     log = tmp_path / "log"
     with open(log, "wb") as out:
@@ -84,6 +84,7 @@ def test_pytorch_example_grows_when_a_host_appears(tmp_path):
     def add_host(_workers, hosts_file):
         hosts_file.write_text("localhost:2\n127.0.0.1:1\n")
 
-    text = _run_example(tmp_path, "localhost:2\n", 2, 3, add_host, b"epoch 0 done on 2 workers")
+    # 12 steps of >= 0.2 s per epoch: the two epochs left give the new worker >= 4.8 s to start under load
+    text = _run_example(tmp_path, "localhost:2\n", 2, 3, add_host, b"epoch 0 done on 2 workers", samples=384)
     assert "generation 1: 3 workers" in text, text[-4000:]
     assert "epoch 2 done on 3 workers" in text, text[-4000:]

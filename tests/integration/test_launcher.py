@@ -355,7 +355,9 @@ def test_mpi_comm_under_horovodrun_gloo_is_refused():
         assert "mpirun (or horovodrun --mpi)" in out[0] and "without comm=" in out[0]
 
 
-MPI_SLEEP_SCRIPT = "import os, time\nprint('pid', os.getpid(), flush=True)\ntime.sleep(60)"
+# one write(2): print() under PYTHONUNBUFFERED writes "pid", " ", the number and "\n" apart, and mpirun tags
+# each piece on its own line
+MPI_SLEEP_SCRIPT = "import os, time\nos.write(1, b'pid %d\\n' % os.getpid())\ntime.sleep(60)"
 
 
 def test_mpi_sigterm_to_launcher_leaves_no_process():

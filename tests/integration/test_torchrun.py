@@ -142,10 +142,11 @@ def test_mpi_comm_under_torchrun_is_refused(tmp_path):
     pytest.importorskip("torch")
     pytest.importorskip("mpi4py")
     script = tmp_path / "comm.py"
+    # one write per line (os.write): the two ranks share torchrun's stdout and print()s interleave
     script.write_text("import os, sys\nfrom mpi4py import MPI\nimport horovod.numpy as hvd\ntry:\n"
                       "    hvd.init(comm=MPI.COMM_WORLD)\nexcept ValueError as e:\n"
-                      "    print('refused', os.environ['RANK'], e, flush=True)\n    sys.exit(0)\n"
-                      "print('joined', hvd.rank(), hvd.size(), flush=True)\n")
+                      "    os.write(1, f'refused {os.environ[\"RANK\"]} {e}\\n'.encode())\n    sys.exit(0)\n"
+                      "os.write(1, f'joined {hvd.rank()} {hvd.size()}\\n'.encode())\n")
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", str(script)],
                           cwd=REPO, env=_env(), capture_output=True, text=True, timeout=TIMEOUT,
                           start_new_session=True)
@@ -163,7 +164,7 @@ def test_key_file_is_gone_when_torchrun_terminates_rank_0(tmp_path):
     pytest.importorskip("torch")
     script = tmp_path / "die.py"
     script.write_text("import os, sys, time\nimport horovod.numpy as hvd\nhvd.init()\n"
-                      "print('joined', hvd.rank(), flush=True)\n"
+                      "os.write(1, b'joined %d\\n' % hvd.rank())\n"  # one write: ranks' prints interleave
                       "if hvd.rank() == 1:\n    time.sleep(0.5)\n    os._exit(3)\ntime.sleep(60)\n")
     tmp = tmp_path / "tmp"
     tmp.mkdir()

@@ -362,6 +362,10 @@ class _DistributedOptimizer:
             else:
                 self._fill(*in_bucket)
             return
+        earlier = self._pending.get(p)
+        if earlier is not None and earlier.done:  # its group went out at the end of an earlier pass: alone
+            self._launch([p])
+            return
         gid = self._group_of[p]
         ready = self._group_ready.setdefault(gid, set())
         ready.add(p)

@@ -113,27 +113,36 @@ def test_one_request_per_bucket(monkeypatch, small_buckets):
         assert sorted(names) == sorted(buckets + alone + layout_checks)
 
 
-def test_two_losses_backward_separately(small_buckets):
-    """Two heads, one backward each in one step: the second pass's gradients find their bucket already sent
-    by the first pass's end and are reduced alone."""
+@pytest.mark.parametrize(("groups", "op"), [(None, hvd.Average), (2, hvd.Average), (2, hvd.Sum)],
+                         ids=["buckets", "groups", "groups-sum"])
+def test_two_losses_backward_separately(small_buckets, groups, op):
+    """Two heads, one backward each in one step: the second pass's gradients find their bucket (or group)
+    already sent, with zeros, by the first pass's end and are reduced alone; the first pass's results stay as
+    they were (a group completed by the second pass went out again whole: under Sum, its members reduced in
+    the first pass were multiplied by the number of ranks)."""
     torch.manual_seed(0)
     model = Mixed()
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                   named_parameters=model.named_parameters())
+                                   named_parameters=model.named_parameters(), groups=groups, op=op)
     x, y = data(RANK)
     F.mse_loss(model(x), y).backward()
+    first = {n: p.grad.clone() for n, p in model.named_parameters() if not n.startswith("unused.")}
     F.mse_loss(model.unused(x[:, :4]), y[:, :1].expand(-1, 4)).backward()
     opt.synchronize()
+    scale = 1 / SIZE if op == hvd.Average else 1.0
     for r in range(SIZE):
         xr, yr = data(r)
         ref = copy.deepcopy(model.unused)
         F.mse_loss(ref(xr[:, :4]), yr[:, :1].expand(-1, 4)).backward()
         if r == 0:
-            expected = [p.grad / SIZE for p in ref.parameters()]
+            expected = [p.grad * scale for p in ref.parameters()]
         else:
-            expected = [e + p.grad / SIZE for e, p in zip(expected, ref.parameters())]
+            expected = [e + p.grad * scale for e, p in zip(expected, ref.parameters())]
     for e, p in zip(expected, model.unused.parameters()):
         torch.testing.assert_close(p.grad, e, rtol=1e-5, atol=1e-6)
+    for name, p in model.named_parameters():
+        if name in first:
+            assert torch.equal(p.grad, first[name]), name
 
 
 def test_sparse_gradient_in_a_bucket_goes_alone():

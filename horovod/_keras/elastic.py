@@ -25,6 +25,7 @@ from typing import Any
 import keras
 import numpy as np
 
+from horovod.common.elastic_sampler import ElasticSampler
 from horovod.tensorflow.elastic import TensorFlowKerasState
 
 __all__ = ["KerasState", "CommitStateCallback", "UpdateBatchStateCallback", "UpdateEpochStateCallback",
@@ -39,7 +40,13 @@ class KerasState(TensorFlowKerasState):
 
 
 class CommitStateCallback(keras.callbacks.Callback):
-    """Commit every ``batches_per_commit`` batches and at the end of each epoch."""
+    """Commit every ``batches_per_commit`` batches and at the end of each epoch.
+
+    Not once an ``ElasticSampler`` of the state has recorded its epoch's last batch: that progress is committed
+    by the loop's ``state.epoch += 1; state.commit()``.  Committed here, a reset landing before the loop's
+    commit resumed the epoch with no batch left, and ``fit`` refuses an empty ``ElasticBatches``; restored to
+    the commit before, the last batch runs again, from the weights it started from (exactly once still).
+    """
 
     def __init__(self, state: Any, batches_per_commit: int = 1) -> None:
         super().__init__()
@@ -53,11 +60,15 @@ class CommitStateCallback(keras.callbacks.Callback):
     def on_batch_end(self, batch: int, logs: Any = None) -> None:
         self.batches_remaining -= 1
         if self.batches_remaining == 0:
-            self.state.commit()
+            self._commit()
             self.batches_remaining = self.batches_per_commit
 
     def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
-        self.state.commit()
+        self._commit()
+
+    def _commit(self) -> None:
+        if not any(isinstance(v, ElasticSampler) and v.epoch_done for v in vars(self.state).values()):
+            self.state.commit()
 
 
 class UpdateBatchStateCallback(keras.callbacks.Callback):

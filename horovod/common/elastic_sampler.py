@@ -184,6 +184,11 @@ class ElasticSampler:
         self.processed[np.asarray(indices, dtype=np.int64)] = True
 
     @property
+    def epoch_done(self) -> bool:
+        """Every sample of this epoch is processed (and recorded)."""
+        return bool(self.processed.all())
+
+    @property
     def processed_num(self) -> int:
         """Samples of this epoch processed (and recorded) so far, by all ranks together."""
         return int(self.processed.sum())

@@ -87,7 +87,8 @@ def test_keras_worker_joins_a_job_traced_at_size_one(elastic_job):
     reduce with the newcomer (it was traced without any allreduce -- the newcomer waited for the old rank's
     gradients until the stall deadline, then the same again in every generation)."""
     job = elastic_job(["localhost:1"], ["-np", "1", "--min-np", "1", "--max-np", "2"],
-                      worker="worker_keras.py", samples=48, batch=2, epochs=2, sleep=0.05)
+                      worker="worker_keras.py", samples=48, batch=2, epochs=2, sleep=0.05,
+                      env={"TEST_HOLD_UNTIL_SIZE": "2"})  # slow steps at size 1: the newcomer joins mid-job
     job.wait_steps(4, size=1, timeout=90)
     job.set_hosts(["localhost:1", "127.0.0.1:1"])
     assert job.wait() == 0, job.output()
@@ -96,3 +97,58 @@ def test_keras_worker_joins_a_job_traced_at_size_one(elastic_job):
     assert result["w"] == result["expected_w"], result
     assert result["sizes"] == [1, 2], result
     job.assert_no_leftovers()
+
+
+_RESET_AT_EPOCH_END = r"""
+import json, sys
+import numpy as np
+import keras
+import horovod.tensorflow.keras as hvd
+from horovod.tensorflow.keras import elastic
+
+hvd.init()
+x = np.arange(16, dtype=np.float32).reshape(8, 2) / 8
+y = x.sum(1, keepdims=True)
+
+def run(interrupted):
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.1)), loss="mse")
+    sampler = elastic.ElasticSampler(8, shuffle=False, batch_size=2)
+    state = elastic.KerasState(model, sampler=sampler, epoch=0)
+    callbacks = [elastic.RecordBatchCallback(sampler), elastic.CommitStateCallback(state)]
+    state.sampler.set_epoch(state.epoch)
+    model.fit(elastic.ElasticBatches(x, y, state.sampler), epochs=1, verbose=0, shuffle=False, callbacks=callbacks)
+    left = None
+    if interrupted:  # a reset before the loop's `state.epoch += 1; state.commit()`: what hvd.elastic.run does
+        state.restore()
+        state.sampler.set_epoch(state.epoch)
+        left = len(elastic.ElasticBatches(x, y, state.sampler))
+        model.fit(elastic.ElasticBatches(x, y, state.sampler), epochs=1, verbose=0, shuffle=False,
+                  callbacks=callbacks)
+    state.epoch += 1
+    state.commit()
+    return [w.tolist() for w in model.get_weights()], left
+
+straight, _ = run(False)
+resumed, left = run(True)
+json.dump({"straight": straight, "resumed": resumed, "left": left}, sys.stdout)
+"""
+
+
+def test_a_reset_after_the_last_batch_of_an_epoch_resumes_it():
+    """A reset between the epoch's last batch and the loop's epoch commit resumed an epoch with no batch left:
+    ``fit`` refused the empty ``ElasticBatches`` and the job failed (the growth test above hit it).  The last
+    batch's commit is left to the loop: restored, the last batch runs again from the weights it started from,
+    and the weights equal an uninterrupted epoch's."""
+    import json
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HOROVOD_", "OMPI_", "PMI_"))}
+    out = subprocess.run([sys.executable, "-c", _RESET_AT_EPOCH_END], env=env, capture_output=True, text=True,
+                         timeout=100)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["left"] == 1, result
+    assert result["resumed"] == result["straight"], result

@@ -60,7 +60,8 @@ def test_host_removed_and_added_back_before_its_worker_exited(elastic_job):
     upstream's 'has been removed' error and takes a while to go): the driver starts a fresh worker for the
     slot.  It reused the exiting one, whose exit (1) then counted against the new generation and blacklisted
     the host (sizes 2 -> 1 -> 1).  The worker here takes 30 s to exit; the driver reaps it after its grace."""
-    job = elastic_job(TWO_HOSTS, ARGS, env={"TEST_SLOW_REMOVED_EXIT": "30"})
+    job = elastic_job(TWO_HOSTS, ARGS, env={"TEST_SLOW_REMOVED_EXIT": "30",
+                                            "TEST_HOLD_UNTIL_SIZE": "2"})  # the job must not end at size 1
     job.wait_steps(5, size=2)
     job.set_hosts(["localhost:1"])
     deadline = time.monotonic() + 30

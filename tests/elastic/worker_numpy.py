@@ -10,6 +10,8 @@ Environment: TEST_OUT (directory), TEST_SAMPLES, TEST_BATCH, TEST_EPOCHS, TEST_S
 TEST_DIE_IN_COMMIT=<slot>:<global step> (SIGKILL itself inside commit(), once),
 TEST_SLOW_REMOVED_EXIT=<seconds> (a worker told it was removed prints its traceback, touches
 ``removed_exiting`` and takes that long to exit, as a large process does),
+TEST_HOLD_UNTIL_SIZE=<n> (steps take 0.5 s while the world is smaller than n: a newcomer joins mid-job however
+slowly a loaded host starts it),
 TEST_DIE_IN_MESH=<slot> (SIGKILL itself in its first mesh formation, once: as it is about to connect to its
 peer, which then waits for a connection that never comes, or as its peer's connection arrives, which then
 retries a listener that is gone).
@@ -36,6 +38,7 @@ DIE_IN_COMMIT = os.environ.get("TEST_DIE_IN_COMMIT", "")
 DIE_IN_MESH = os.environ.get("TEST_DIE_IN_MESH", "")
 SLOT = os.environ.get("HOROVOD_ELASTIC_SLOT", "?")
 SLOW_REMOVED_EXIT = float(os.environ.get("TEST_SLOW_REMOVED_EXIT", "0"))
+HOLD_UNTIL_SIZE = int(os.environ.get("TEST_HOLD_UNTIL_SIZE", "0"))
 
 
 def g(indices):
@@ -106,7 +109,7 @@ def train(state):
             state.counts += counts
             state.steps += 1
             state.sampler.record_batch(step, BS)
-            time.sleep(SLEEP)
+            time.sleep(0.5 if hvd.size() < HOLD_UNTIL_SIZE else SLEEP)
             state.commit()
             if hvd.rank() == 0:
                 write("progress", f"{state.epoch} {state.steps} {hvd.size()}")

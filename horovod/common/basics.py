@@ -92,7 +92,10 @@ def init(comm=None, process_sets: Sequence[ProcessSet] | str | None = None) -> N
         try:
             core = engine_core(config, topology)  # before meeting the others: bad settings fail on their own
             check_output_files(config, topology.rank)
-            sets = _register_static_sets(list(process_sets or []), topology.size)
+            sets = list(process_sets or [])
+            if mpi is not None and any(ps.mpi_comm is not None for ps in sets):
+                sets = _resolve_comm_sets(sets, mpi)
+            sets = _register_static_sets(sets, topology.size)
             if topology.size > 1 and mesh is None:
                 mesh = bootstrap.build_mesh(topology, [ps.ranks for ps in sets], gen, mpi)
             engine = Engine(topology, config, mesh, {ps.process_set_id: ps.ranks for ps in sets}, core)
@@ -139,6 +142,54 @@ def participation_epoch() -> tuple[int, int]:
     in reductions may have changed (a new generation of the job, or the end of a ``join()`` during which
     joined ranks only added zeros).  A check done once "per epoch" is then done by every rank or by none."""
     return _generation, engine().executor.joins_completed
+
+
+def _resolve_comm_sets(sets: list[ProcessSet], mpi) -> list[ProcessSet]:
+    """Upstream's static process sets from mpi4py communicators (``hvd.ProcessSet(comm.Split(...))``): each
+    rank holds its own communicator, so every rank's members (as ranks of the job's communicator) are
+    gathered, and each distinct group becomes one set, in order of its lowest rank (upstream's docs: the
+    even ranks' set gets id 1).  This rank's object takes its own group's id; on a rank whose communicator
+    is ``MPI.COMM_NULL`` (``Split`` with ``MPI.UNDEFINED``) it stays unregistered.  Collective over the job."""
+    from mpi4py import MPI
+
+    from horovod.common.process_sets import ProcessSet as _ProcessSet
+    from horovod.transport.mpi import _allgather_json
+
+    job_group = mpi.comm.Get_group()
+    mine: list[list[int] | None] = []
+    for ps in sets:
+        if ps.mpi_comm is None:
+            continue
+        if ps.mpi_comm == MPI.COMM_NULL:
+            mine.append(None)
+            continue
+        group = ps.mpi_comm.Get_group()
+        ranks = MPI.Group.Translate_ranks(group, list(range(group.Get_size())), job_group)
+        group.Free()
+        if any(r == MPI.UNDEFINED for r in ranks):
+            raise ValueError(f"Horovod could not be initialized: the communicator of {ps} has processes that are "
+                             "not part of the Horovod job.")
+        mine.append(sorted(ranks))
+    job_group.Free()
+    everyone = _allgather_json(mpi.comm, mine)
+    if any(len(theirs) != len(mine) for theirs in everyone):
+        raise ValueError("Horovod could not be initialized: ranks passed different numbers of process sets made "
+                         f"from MPI communicators to init() ({[len(theirs) for theirs in everyone]}).")
+    resolved: list[ProcessSet] = []
+    i = 0
+    for ps in sets:
+        if ps.mpi_comm is None:
+            resolved.append(ps)
+            continue
+        groups = sorted({tuple(theirs[i]) for theirs in everyone if theirs[i] is not None})
+        for group_ranks in groups:
+            if mine[i] is not None and list(group_ranks) == mine[i]:
+                ps.ranks = mine[i]
+                resolved.append(ps)
+            else:
+                resolved.append(_ProcessSet(group_ranks))
+        i += 1
+    return resolved
 
 
 def _register_static_sets(sets: list[ProcessSet], world_size: int) -> list[ProcessSet]:

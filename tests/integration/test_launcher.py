@@ -445,6 +445,42 @@ def test_mpi_timeline_names_the_mpi_data_plane(tmp_path):
     assert not {n for n in names if n.startswith("GLOO_")}, sorted(names)
 
 
+COMM_SETS_SCRIPT = textwrap.dedent("""
+    import os
+    import numpy as np
+    from mpi4py import MPI
+    import horovod.numpy as hvd
+    world = MPI.COMM_WORLD
+    parity = hvd.ProcessSet(world.Split(color=world.rank % 2, key=world.rank))
+    pair = hvd.ProcessSet(world.Split(color=0 if world.rank < 2 else MPI.UNDEFINED, key=world.rank))
+    hvd.init(world, process_sets=[parity, pair])
+    r = hvd.rank()
+    total = hvd.allreduce(np.array([float(r)]), op=hvd.Sum, process_set=parity, name="parity")
+    line = f"rank {r}: parity {parity.process_set_id} {parity.ranks} {parity.rank()} {total[0]:g}"
+    if pair.included():
+        line += f"; pair {pair.process_set_id} {pair.ranks} {hvd.allgather(np.array([r]), process_set=pair)}"
+    os.write(1, (line + "\\n").encode())
+    hvd.shutdown()
+""")
+
+
+def test_mpi_static_process_sets_from_communicators():
+    """Upstream's "static process sets from MPI communicators" (hvd.ProcessSet(comm.Split(...)), each rank its own
+    communicator) were refused under mpirun with "Process sets from mpi4py communicators need the MPI
+    controller."  Now every distinct group is a set (ids in order of lowest rank) and each rank's object has its
+    own group's id and ranks; a rank whose communicator is MPI.COMM_NULL leaves its object unregistered."""
+    if not shutil.which("mpirun"):
+        pytest.skip("no mpirun")
+    pytest.importorskip("mpi4py")
+    proc = horovodrun("--mpi", "-np", "3", sys.executable, "-c", COMM_SETS_SCRIPT, env={"OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    expected = {0: "rank 0: parity 1 [0, 2] 0 2; pair 3 [0, 1] [0 1]",
+                1: "rank 1: parity 2 [1] 0 1; pair 3 [0, 1] [0 1]",
+                2: "rank 2: parity 1 [0, 2] 1 2"}
+    for r, line in expected.items():
+        assert re.search(rf"\[1,{r}\]<stdout>:{re.escape(line)}$", proc.stdout, re.M), proc.stdout
+
+
 def test_program_not_executable_or_a_directory_is_named(tmp_path):
     """A program that exists but cannot run was reported as '[Errno 2] No such file or directory'."""
     script = tmp_path / "train.py"

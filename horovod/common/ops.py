@@ -126,8 +126,6 @@ def grouped_allreduce(tensors: Sequence, outputs: Sequence | None = None, *, nam
         for arr in arrays:
             check_adasum(arr.dtype)
     ps_id, _ = _set_id(process_set, RequestType.ALLREDUCE)
-    if _grouped and len({a.dtype for a in arrays}) > 1:
-        raise ValueError("Tensors in a grouped allreduce must all have the same dtype.")
     base = name or auto_name("grouped_allreduce" if _grouped else "allreduce", ps_id)
     group_id = next(_group_ids) if _grouped and len(arrays) > 1 else -1
     items = []

@@ -123,6 +123,21 @@ def test_grouped_allreduce(set_name, inplace, dtype, nid):
         np.testing.assert_allclose(as_np(out), expected_reduce(ps, hvd.Sum, dtype, s), rtol=tol(dtype))
 
 
+@pytest.mark.parametrize("set_name", list(SETS))
+def test_grouped_allreduce_of_mixed_dtypes(set_name, nid):
+    """Upstream's torch grouped allreduce takes tensors of different dtypes (each member keeps its own); it was
+    refused with "Tensors in a grouped allreduce must all have the same dtype." (so was DistributedOptimizer's
+    ``groups=`` on a model with parameters of several dtypes)."""
+    ps = SETS[set_name]
+    skip_if_not_member(ps)
+    dtypes = [torch.float32, torch.float64, torch.int32, torch.bfloat16, torch.float32]
+    xs = [data(RANK, (3,), dtype) for dtype in dtypes]
+    outs = hvd.synchronize(hvd.grouped_allreduce_async(xs, op=hvd.Sum, process_set=ps, name=nid))
+    for out, dtype in zip(outs, dtypes):
+        assert out.dtype == dtype
+        np.testing.assert_allclose(as_np(out), expected_reduce(ps, hvd.Sum, dtype, (3,)), rtol=tol(dtype))
+
+
 def test_prescale_postscale():
     x = torch.full((4,), float(RANK + 1))
     out = hvd.allreduce(x, op=hvd.Sum, prescale_factor=2.0, postscale_factor=0.5)

@@ -127,6 +127,26 @@ def _train_with_explicit_groups():
     return ref, model
 
 
+def test_groups_over_parameters_of_several_dtypes():
+    """``groups=1`` puts every parameter in one grouped allreduce; a model holding float32 and float64
+    parameters failed in backward with "Tensors in a grouped allreduce must all have the same dtype."."""
+    ref, model = make_model(), make_model(seed=RANK)
+    ref[2].double()
+    model[2].double()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters(), groups=1)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    for x, y in batch(2, ROWS * SIZE):
+        ref_opt.zero_grad()
+        F.mse_loss(ref[2](ref[1](ref[0](x)).double()), y.double()).backward()
+        ref_opt.step()
+        opt.zero_grad()
+        F.mse_loss(model[2](model[1](model[0](my_rows(x, 1, 0))).double()), my_rows(y, 1, 0).double()).backward()
+        opt.step()
+    assert_same(ref, model)
+
+
 def test_num_groups_is_deprecated_alias():
     with pytest.warns(DeprecationWarning):
         assert_same(*train(steps=1, num_groups=2))

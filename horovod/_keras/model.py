@@ -156,6 +156,10 @@ def make_distributed_model_class(keras, create_optimizer, callbacks):
 
         @functools.wraps(original["evaluate"])
         def evaluate(*args, **kwargs):
+            if kwargs.get("_use_cached_eval_dataset"):
+                # fit's validation pass: fit's own CallbackList and its validation data (sharded by fit);
+                # MetricAverageCallback averages the val_ metrics at the epoch's end
+                return original["evaluate"](*args, **kwargs)
             _verbose(kwargs, "auto")
             kwargs["callbacks"] = _callbacks(kwargs.get("callbacks"), training=False)
             args, kwargs = _data(args, kwargs, ("x", "y"))

@@ -196,6 +196,29 @@ def test_fit_equivalence(wrap):
     assert_same_on_all_ranks(model.get_weights())
 
 
+@pytest.mark.parametrize("shard_data", [False, True])
+def test_distributed_model_fit_with_validation_data(shard_data):
+    """Keras' fit runs validation through ``self.evaluate(..., callbacks=<its CallbackList>)``, which is the
+    DistributedModel's evaluate: ``fit(..., validation_data=...)`` failed with "TypeError: 'CallbackList'
+    object is not iterable".  Now the validation metrics are those of each rank's validation data (its shard
+    with ``shard_data=True``), averaged across ranks at the epoch's end."""
+    x, y = problem()
+    model = hvdk.DistributedModel(make_model(), shard_data=shard_data)
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", metrics=["mae"])
+    val_x, val_y = x[:6 * hvd.size()] + hvd.rank(), y[:6 * hvd.size()]  # different on each rank
+    hist = model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, validation_data=(val_x, val_y))
+    assert sorted(hist.history) == ["loss", "mae", "val_loss", "val_mae"]
+    plain = make_model()
+    plain.set_weights(model.get_weights())
+    plain.compile(loss="mse", metrics=["mae"])
+    mine = val_x[hvd.rank()::hvd.size()] if shard_data else val_x
+    mine_y = val_y[hvd.rank()::hvd.size()] if shard_data else val_y
+    local = plain.evaluate(mine, mine_y, verbose=0, return_dict=True)
+    everyone = hvd.allgather_object(local)
+    for name in ("loss", "mae"):
+        assert hist.history[f"val_{name}"][0] == pytest.approx(np.mean([e[name] for e in everyone]), rel=1e-5)
+
+
 def with_loss_scale(wrap: str, distributed, optimizer):
     """``distributed(optimizer)`` alone, inside a LossScaleOptimizer or around one."""
     scaler = keras.optimizers.LossScaleOptimizer

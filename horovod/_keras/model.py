@@ -11,7 +11,7 @@ are untouched, so a saved model reloads as the plain model without Horovod.  The
   come from rank 0 when training starts) and ``MetricAverageCallback`` (epoch metrics averaged across
   ranks), shows progress on rank 0 only (``verbose=0`` elsewhere), drops ``ModelCheckpoint``/``BackupAndRestore``
   callbacks on other ranks (checkpoints are written by rank 0 only), and, if ``shard_data=True``, gives
-  every rank its own shard of the input.
+  every rank its own shard of the input (``sample_weight`` too).
 * ``evaluate``: rank-0 progress, metrics averaged across ranks.
 * ``predict``: rank-0 progress; each rank predicts its own input (results are not gathered).
 
@@ -142,8 +142,9 @@ def make_distributed_model_class(keras, create_optimizer, callbacks):
                     args[i] = _shard(args[i], rank, size)
                 elif name in kwargs:
                     kwargs[name] = _shard(kwargs[name], rank, size)
-            if "validation_data" in kwargs:
-                kwargs["validation_data"] = _shard(kwargs["validation_data"], rank, size)
+            for name in ("sample_weight", "validation_data"):  # per-sample like x and y
+                if name in kwargs:
+                    kwargs[name] = _shard(kwargs[name], rank, size)
             return args, kwargs
 
         @functools.wraps(original["fit"])
@@ -190,7 +191,8 @@ def make_distributed_model_class(keras, create_optimizer, callbacks):
 
         Args:
             model: a ``keras.Model``.
-            shard_data: give each rank its own shard of ``x``/``y``/``validation_data`` (default False).
+            shard_data: give each rank its own shard of ``x``/``y``/``sample_weight``/``validation_data``
+                (default False).
             root_rank: rank whose initial weights and optimizer state every rank starts from.
             average_metrics: average epoch metrics and ``evaluate`` results across ranks.
             process_set: the process set that trains together.

@@ -219,6 +219,24 @@ def test_distributed_model_fit_with_validation_data(shard_data):
         assert hist.history[f"val_{name}"][0] == pytest.approx(np.mean([e[name] for e in everyone]), rel=1e-5)
 
 
+def test_distributed_model_shards_sample_weight():
+    """With ``shard_data=True`` x and y were sharded but ``sample_weight`` was not: fit and evaluate failed
+    with Keras' "Data cardinality is ambiguous".  Each rank's weights are now the rows of its shard, and
+    evaluate's weighted loss is the average of the ranks' weighted losses on their shards."""
+    x, y = problem()
+    weights = np.linspace(0.5, 1.5, len(x)).astype(np.float32)
+    model = hvdk.DistributedModel(make_model(), shard_data=True)
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    model.fit(x, y, sample_weight=weights, batch_size=BATCH, epochs=1, verbose=0)
+    loss = model.evaluate(x, y, sample_weight=weights, verbose=0)
+    plain = make_model()
+    plain.set_weights(model.get_weights())
+    plain.compile(loss="mse")
+    r, n = hvd.rank(), hvd.size()
+    local = plain.evaluate(x[r::n], y[r::n], sample_weight=weights[r::n], verbose=0)
+    assert loss == pytest.approx(np.mean(hvd.allgather_object(local)), rel=1e-5)
+
+
 def with_loss_scale(wrap: str, distributed, optimizer):
     """``distributed(optimizer)`` alone, inside a LossScaleOptimizer or around one."""
     scaler = keras.optimizers.LossScaleOptimizer

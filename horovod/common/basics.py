@@ -21,6 +21,7 @@ from horovod.base.reduce_ops import ReduceOp
 from horovod.common import bootstrap, heap, logconfig, naming
 from horovod.runtime.engine import Engine, Topology, check_output_files, engine_core
 from horovod.runtime.messages import Request, RequestType
+from horovod.runtime.validation import process_set_ranks_error
 
 __all__ = [
     "HorovodBasics", "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
@@ -201,11 +202,9 @@ def _register_static_sets(sets: list[ProcessSet], world_size: int) -> list[Proce
             ps.process_set_id = None
             raise ValueError(f"Horovod could not be initialized because process_sets entry number {i} is a "
                              f"duplicate: {ps}")
-        for r in ps.ranks:
-            if r < 0 or r >= world_size:
-                raise ValueError(f"Tried to register process set with invalid rank: {r}")
-        if len(set(ps.ranks)) != len(ps.ranks):
-            raise ValueError(f"Tried to register process set with duplicate rank: {ps.ranks}")
+        error = process_set_ranks_error(ps.ranks, world_size)
+        if error:
+            raise ValueError(error)
         seen.append(ps.ranks)
         ps.process_set_id = i + 1
     return sets

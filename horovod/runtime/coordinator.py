@@ -35,7 +35,7 @@ from horovod.base.adasum import adasum_of
 from horovod.base.config import RuntimeConfig
 from horovod.base.reduce_ops import ReduceOp, data_plane_op
 from horovod.runtime.messages import Request, RequestType, Response, dtype_of
-from horovod.runtime.validation import build_response
+from horovod.runtime.validation import build_response, process_set_ranks_error
 from horovod.transport.communicator import apply_reduce, reduce_into
 from horovod.transport.scaling import scale_inplace, scaled_copy
 
@@ -528,8 +528,9 @@ class Coordinator:
             if state.ranks == ranks:
                 return Response(RequestType.ERROR, 0, response.names,
                                 error=f"Attempted to add a duplicate process set: {ranks}")
-        if any(r < 0 or r >= self.size for r in ranks) or len(set(ranks)) != len(ranks) or not ranks:
-            return Response(RequestType.ERROR, 0, response.names, error=f"Invalid process set ranks: {ranks}")
+        error = process_set_ranks_error(ranks, self.size) if ranks else "Tried to register an empty process set"
+        if error:
+            return Response(RequestType.ERROR, 0, response.names, error=error)
         if self._free_set_ids:
             new_id = self._free_set_ids.popleft()
         else:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from horovod.base.reduce_ops import ReduceOp
 from horovod.runtime.messages import OP_DISPLAY, Request, RequestType, Response, dtype_name
 
-__all__ = ["build_response", "shape_str"]
+__all__ = ["build_response", "process_set_ranks_error", "shape_str"]
 
 _SAME_SHAPE_TYPES = {RequestType.ALLREDUCE, RequestType.ADASUM, RequestType.BROADCAST,
                      RequestType.REDUCESCATTER}
@@ -18,6 +18,19 @@ _SCALED_TYPES = {RequestType.ALLREDUCE, RequestType.ADASUM, RequestType.REDUCESC
 
 def shape_str(shape: tuple[int, ...]) -> str:
     return "[" + ", ".join(str(d) for d in shape) + "]"
+
+
+def process_set_ranks_error(ranks: list[int], world_size: int) -> str | None:
+    """Upstream core's text for a process set's bad ranks (static at ``init`` or added at run time), or None."""
+    for r in ranks:
+        if r < 0 or r >= world_size:
+            return f"Tried to register process set with invalid rank: {r}"
+    seen: set[int] = set()
+    for r in ranks:
+        if r in seen:
+            return f"Tried to register process set with duplicate rank: {r}"
+        seen.add(r)
+    return None
 
 
 def _factor(x: float) -> str:

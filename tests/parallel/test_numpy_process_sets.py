@@ -214,6 +214,17 @@ def test_dynamic_duplicate_and_global_cannot_be_removed():
     assert hvd.remove_process_set(hvd.global_process_set) is False
 
 
+@pytest.mark.parametrize("bad", ["out_of_range", "negative", "repeated"])
+def test_dynamic_set_with_bad_ranks_gets_upstreams_text(bad):
+    size = hvd.size()
+    ranks, text = {"out_of_range": ([0, size], f"invalid rank: {size}"), "negative": ([-1, 0], "invalid rank: -1"),
+                   "repeated": ([1, 1], "duplicate rank: 1")}[bad]
+    with pytest.raises(Exception) as info:
+        hvd.add_process_set(ranks)
+    assert str(info.value) == f"Tried to register process set with {text}", str(info.value)
+    hvd.barrier()  # every rank got it, and the job goes on
+
+
 def test_many_dynamic_sets_in_sequence():
     from horovod.common.basics import _get_process_set_ids_and_ranks
 

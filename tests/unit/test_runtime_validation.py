@@ -7,7 +7,7 @@ import pytest
 
 from horovod.base.reduce_ops import ReduceOp
 from horovod.runtime.messages import Request, RequestType, dtype_code
-from horovod.runtime.validation import build_response, shape_str
+from horovod.runtime.validation import build_response, process_set_ranks_error, shape_str
 
 F32 = dtype_code(np.float32)
 I32 = dtype_code(np.int32)
@@ -250,3 +250,10 @@ def test_broadcast_response_keeps_root():
     resp = ok([req(0, RequestType.BROADCAST, root=1), req(1, RequestType.BROADCAST, root=1)], members=[0, 1])
     assert resp.type == RequestType.BROADCAST
     assert resp.root_rank == 1
+
+
+def test_process_set_ranks_error_has_upstreams_text():
+    assert process_set_ranks_error([0, 2, 1], 3) is None
+    assert process_set_ranks_error([0, 3], 3) == "Tried to register process set with invalid rank: 3"
+    assert process_set_ranks_error([2, -1], 3) == "Tried to register process set with invalid rank: -1"
+    assert process_set_ranks_error([1, 0, 1], 3) == "Tried to register process set with duplicate rank: 1"

@@ -51,11 +51,14 @@ class HandleMap:
     def __init__(self) -> None:
         self._counter = itertools.count(1)
         self._pending: dict[int, Pending] = {}
+        self._before_reset: dict[int, Pending] = {}  # not synchronized when shutdown() reset the map
 
     def add(self, pending: Pending) -> int:
         """Register ``pending``; returns its handle."""
         key = next(self._counter)
         self._pending[key] = pending
+        if self._before_reset:
+            self._before_reset.pop(key, None)  # the number now means the new operation
         return key
 
     def poll(self, key: int) -> bool:
@@ -76,8 +79,10 @@ class HandleMap:
         try:
             pending = self._pending.pop(key)
         except (KeyError, TypeError):
-            raise ValueError(f"Unknown or already synchronized handle: {key}") from None
-        return pending.wait()
+            pending = self._before_reset.pop(key, None) if isinstance(key, int) else None
+            if pending is None:
+                raise ValueError(f"Unknown or already synchronized handle: {key}") from None
+        return pending.wait()  # one pending at shutdown: its own result, or the shut-down error that ended it
 
     def _get(self, key: int) -> Pending:
         try:
@@ -86,6 +91,9 @@ class HandleMap:
             raise ValueError(f"Unknown or already synchronized handle: {key}") from None
 
     def reset(self) -> None:
-        """Forget every handle and restart numbering at 1 (upstream does this on init/shutdown)."""
-        self._pending.clear()
+        """Restart numbering at 1 (upstream does this on init/shutdown).  A handle still pending is kept until
+        its number is given out again, so that ``synchronize`` of it says why it failed (Horovod shut down), as
+        upstream's did, rather than "unknown handle"."""
+        self._before_reset.update(self._pending)
+        self._pending = {}
         self._counter = itertools.count(1)

@@ -42,6 +42,30 @@ def test_map_contract():
     assert handles.add(_Done(0)) == 1
 
 
+class _FailedAtShutdown:
+    def done(self) -> bool:
+        return True
+
+    def wait(self):
+        raise RuntimeError("Horovod has been shut down")
+
+
+def test_a_handle_pending_at_shutdown_says_why_it_failed():
+    """Upstream's synchronize() of an operation that shutdown() ended raised the shut-down error; ours said
+    "unknown handle" because the map forgot it.  Once its number is given out again it means the new one."""
+    handles = HandleMap()
+    a, b = handles.add(_Done(1)), handles.add(_FailedAtShutdown())
+    handles.reset()  # shutdown()
+    handles.reset()  # the next init()
+    with pytest.raises(RuntimeError, match="shut down"):
+        handles.synchronize(b)
+    assert handles.add(_Done("new")) == a
+    assert handles.synchronize(a) == "new"
+    for bad in (a, b):
+        with pytest.raises(ValueError, match="Unknown or already synchronized handle"):
+            handles.synchronize(bad)
+
+
 def _frameworks():
     import horovod.numpy as hnp
 

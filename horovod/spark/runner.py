@@ -249,15 +249,27 @@ def _failure(record: dict[str, Any]) -> RuntimeError:
     return failure
 
 
+def _is_consequence(error: str | None) -> bool:
+    """A rank's error that only follows from another rank's failure (its shutdown, a lost peer)."""
+    text = (error or "").strip()
+    return text.startswith(("ShutdownError", "GenerationMismatch", "PeerFailure")) or "called shutdown()" in text
+
+
 def _first_failure(server: Any, num_proc: int, seen: dict[int, dict[str, Any]]) -> dict[str, Any] | None:
-    """The earliest non-zero exit recorded so far (by the tasks' clocks), one the driver's abort caused last."""
+    """The earliest non-zero exit recorded so far (by the tasks' clocks); one that only followed from another
+    rank's failure (a ``ShutdownError`` naming that rank) comes after, one the driver's abort caused last.
+
+    A rank raising while its peer waits in a collective: the peer fails at once with a ``ShutdownError``
+    when the rank shuts down at exit, and may exit (and be recorded) first; the cause is the rank's error.
+    """
     for rank in range(num_proc):
         if rank not in seen:
             value = server.get(task_mod.exit_key(rank))
             if value is not None:
                 seen[rank] = json.loads(value)
     failed = [r for r in seen.values() if r["code"] != 0]
-    return min(failed, key=lambda r: (bool(r.get("aborted")), r["time"])) if failed else None
+    return min(failed, key=lambda r: (bool(r.get("aborted")), _is_consequence(r.get("error")), r["time"])) \
+        if failed else None
 
 
 def run(fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None,

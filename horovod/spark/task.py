@@ -353,7 +353,8 @@ def task_fn(settings: TaskSettings, index: int, iterator: Iterable[Any]) -> Iter
         code, error = 1, b"the worker exited 0 without storing a result"
     why = "the driver aborted the job" if aborted else "the driver is unreachable" if lost else None
     text = (error or b"").decode("utf-8", "replace") or why
-    if _record_exit(client, rank, index, code, text, aborted) and not lost:
+    # A worker that stored its own error failed by itself, even if the abort then found it still exiting.
+    if _record_exit(client, rank, index, code, text, aborted and error is None) and not lost:
         # The driver knows (and stops the other ranks): end this task normally, without Spark's error noise.
         yield rank, result if code == 0 else None
         return

@@ -167,6 +167,22 @@ def _failing_job(message: str) -> None:
     time.sleep(300)  # rank 0 never ends by itself: the driver must stop it
 
 
+def _failing_job_peer_in_collective() -> None:
+    """Rank 1 raises while rank 0 waits in an allreduce; rank 1's process then takes 2 s to exit (an atexit
+    handler: a slow framework teardown), so rank 0's ShutdownError is recorded first."""
+    import atexit
+
+    import horovod.numpy as hvd
+
+    if os.environ.get("HOROVOD_RANK") == "1":
+        atexit.register(time.sleep, 2.0)  # runs after Horovod's own exit handler (registered later)
+    hvd.init()
+    hvd.allreduce(np.ones(2), name="warm")
+    if hvd.rank() == 1:
+        raise KeyError("spark-test-cause")
+    hvd.allreduce(np.ones(2), name="never")
+
+
 def _elastic_job(n: int, batch: int, epochs: int, sleep: float) -> tuple:
     """Exactly-once accounting: every sample adds 1 to its count per epoch, whatever the sizes on the way."""
     import horovod.numpy as hvd
@@ -336,6 +352,20 @@ def test_failing_rank_is_named_and_others_stopped(spark, marker, failure):
         assert "Process name: 1\nExit code: 1\n" in text
         assert "ValueError: spark-test-boom" in text
     assert time.monotonic() - started < 60  # rank 0 would sleep 300 s
+    assert not _wait_gone(marker, 10.0)
+
+
+def test_failing_rank_named_not_the_peer_it_shut_down(spark, marker):
+    """The rank whose function raised is named with its error, not its peer whose collective failed (earlier,
+    by the clock) with the ShutdownError that rank's exit caused."""
+    import horovod.spark
+
+    with pytest.raises(RuntimeError) as info:
+        horovod.spark.run(_failing_job_peer_in_collective, num_proc=2, env={MARKER: marker},
+                          stdout=io.StringIO(), stderr=io.StringIO())
+    text = str(info.value)
+    assert "Process name: 1\nExit code: " in text, text  # 1, or -15: stopped by the abort while it slept
+    assert "Rank 1 (Spark task 1) failed: KeyError: 'spark-test-cause'" in text, text
     assert not _wait_gone(marker, 10.0)
 
 

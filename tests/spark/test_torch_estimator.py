@@ -147,6 +147,44 @@ def test_classification_sample_weights_and_metrics(estimator_spark, tmp_path):
         assert (reference(a, b).argmax(dim=1).numpy() == truth).mean() < 0.8
 
 
+class TwoLinear(torch.nn.Module):
+    """A linear map of two feature columns, each through a layer of its own: an integer one (``LongType``) and a
+    float one."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = torch.nn.Linear(1, 1)
+        self.x = torch.nn.Linear(1, 1, bias=False)
+
+    def forward(self, count, x):
+        return self.count(count) + self.x(x)
+
+
+def test_integer_feature_column_is_fed_as_floats(estimator_spark, tmp_path):
+    """Upstream feeds every feature column as floats (``row[col].float()``): an integer column into a Linear
+    layer trains and transforms (it failed: ``mat1 and mat2 must have the same dtype``)."""
+    rng = np.random.default_rng(3)
+    count = rng.integers(-5, 6, size=320)
+    x = rng.normal(size=320)
+    y = 0.5 * count - 2.0 * x + 1.0
+    df = estimator_spark.createDataFrame([(int(c), float(v), float(t)) for c, v, t in zip(count, x, y)],
+                                         ["count", "x", "y"])
+    torch.manual_seed(0)
+    model = TwoLinear()
+    fitted = TorchEstimator(num_proc=2, store=Store.create(str(tmp_path)), model=model,
+                            optimizer=torch.optim.SGD(model.parameters(), lr=0.02), loss=torch.nn.functional.mse_loss,
+                            feature_cols=["count", "x"], label_cols=["y"], batch_size=16, epochs=10, random_seed=1,
+                            partitions_per_process=2, verbose=0).fit(df)
+    trained = fitted.getModel()
+    assert abs(float(trained.count.weight) - 0.5) < 0.05 and abs(float(trained.x.weight) + 2.0) < 0.05
+    assert abs(float(trained.count.bias) - 1.0) < 0.05
+    out = fitted.transform(df).collect()
+    with torch.no_grad():
+        local = fitted.getModel()(torch.tensor([[float(r["count"])] for r in out]),
+                                  torch.tensor([[r["x"]] for r in out], dtype=torch.float32))
+    np.testing.assert_allclose([r["y__output"] for r in out], local.numpy().ravel(), rtol=1e-5, atol=1e-5)
+
+
 def test_backward_passes_per_step(regression, tmp_path):
     """320 rows, batch 16, 2 processes: 10 batches per epoch, gradients of 2 batches per optimizer step."""
     torch.manual_seed(0)

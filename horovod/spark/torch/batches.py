@@ -33,17 +33,18 @@ def default_input_shapes(feature_columns: Sequence[str], metadata: dict[str, dic
     return [[-1, int(metadata.get(c, {}).get("shape") or 1)] for c in feature_columns]
 
 
-def _tensor(values: np.ndarray, dtype: torch.dtype, device: Any) -> torch.Tensor:
+def _tensor(values: np.ndarray, dtype: torch.dtype, device: Any, integers: bool = False) -> torch.Tensor:
     tensor = torch.from_numpy(np.array(values, copy=True, order="C"))  # arrow-backed arrays are read-only
-    if tensor.is_floating_point() or tensor.dtype == torch.bool:
+    if tensor.is_floating_point() or tensor.dtype == torch.bool or integers:
         tensor = tensor.to(dtype)
     return tensor.to(device) if device is not None else tensor
 
 
 def features(batch: dict[str, np.ndarray], columns: Sequence[str], shapes: Sequence[Sequence[int]],
-             dtype: torch.dtype = torch.float32, device: Any = None) -> list[torch.Tensor]:
-    """The model's inputs: one tensor per feature column, reshaped."""
-    return [_tensor(batch[c], dtype, device).reshape(list(shape)) for c, shape in zip(columns, shapes)]
+             dtype: torch.dtype = torch.float32, device: Any = None, integers: bool = False) -> list[torch.Tensor]:
+    """The model's inputs: one tensor per feature column, reshaped; ``integers``: integer columns in ``dtype``
+    too (the plain torch estimator's inputs are all floats, as upstream's ``row[col].float()``)."""
+    return [_tensor(batch[c], dtype, device, integers).reshape(list(shape)) for c, shape in zip(columns, shapes)]
 
 
 def labels(batch: dict[str, np.ndarray], columns: Sequence[str], dtype: torch.dtype = torch.float32,

@@ -9,6 +9,7 @@ trains ``epochs`` more epochs (numbered on from the checkpoint's), as upstream's
 from __future__ import annotations
 
 import copy
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -168,6 +169,9 @@ def predict_fn(model: Any, feature_columns: Sequence[str], input_shapes: Sequenc
                ) -> Callable[[dict[str, np.ndarray]], list[np.ndarray]]:
     """The function ``transform`` runs on the executors: a copy of the model in eval mode, on CPU, one thread."""
     net = copy.deepcopy(model).cpu().eval()
+    # A plain module was trained on float inputs (integer columns too); a LightningModule on the columns' types.
+    integers = not any(name in sys.modules and isinstance(net, sys.modules[name].LightningModule)
+                       for name in ("lightning.pytorch", "pytorch_lightning"))
 
     def predict(batch: dict[str, np.ndarray]) -> list[np.ndarray]:
         import torch
@@ -176,7 +180,8 @@ def predict_fn(model: Any, feature_columns: Sequence[str], input_shapes: Sequenc
 
         torch.set_num_threads(1)
         with torch.no_grad():
-            outputs = as_outputs(net(*features(batch, feature_columns, input_shapes, float_dtype(net))))
+            outputs = as_outputs(net(*features(batch, feature_columns, input_shapes, float_dtype(net),
+                                               integers=integers)))
         return [o.detach().cpu().numpy() for o in outputs]
 
     return predict

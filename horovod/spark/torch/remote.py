@@ -173,7 +173,7 @@ def train(spec: TrainSpec) -> dict[str, Any] | None:
     bpps = spec.backward_passes_per_step
 
     def prepare(batch: dict[str, np.ndarray]) -> tuple[list, list, Any]:
-        inputs = tb.features(batch, spec.feature_columns, spec.input_shapes, dtype, device)
+        inputs = tb.features(batch, spec.feature_columns, spec.input_shapes, dtype, device, integers=True)
         targets = tb.labels(batch, spec.label_columns, dtype, device)
         weights = (tb.labels(batch, [spec.sample_weight_col], dtype, device)[0] if spec.sample_weight_col
                    else None)

@@ -185,6 +185,26 @@ def test_integer_feature_column_is_fed_as_floats(estimator_spark, tmp_path):
     np.testing.assert_allclose([r["y__output"] for r in out], local.numpy().ravel(), rtol=1e-5, atol=1e-5)
 
 
+def test_training_metric_compares_labels_shaped_like_the_outputs(regression, tmp_path):
+    """A model off by exactly 0.1 on every row (learning rate 0): the mean absolute error is 0.1 in training
+    as in validation.  The training metric got the labels as read, ``(batch,)`` against outputs ``(batch, 1)``,
+    and broadcast them to every pair of rows (about 3 here)."""
+    from estimator_checks import B, W
+
+    model = torch.nn.Linear(3, 1)
+    with torch.no_grad():
+        model.weight.copy_(torch.tensor([W.tolist()]))
+        model.bias.fill_(B + 0.1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    fitted = _linear_estimator(Store.create(str(tmp_path)), model, optimizer=optimizer,
+                               metrics=[lambda output, label: (output - label).abs().mean()], epochs=1,
+                               validation="is_val").fit(regression)
+    record = fitted.getHistory()[0]
+    assert record["validation"]["all_metrics"]["group_0_y"] == pytest.approx(0.1, abs=1e-5)
+    assert record["train"]["all_metrics"]["group_0_y"] == pytest.approx(0.1, abs=1e-5)
+    assert record["train"]["loss"] == pytest.approx(0.01, abs=1e-5)
+
+
 def test_backward_passes_per_step(regression, tmp_path):
     """320 rows, batch 16, 2 processes: 10 batches per epoch, gradients of 2 batches per optimizer step."""
     torch.manual_seed(0)

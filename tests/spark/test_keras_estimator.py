@@ -191,6 +191,42 @@ def test_multi_output_sample_weights_save_load(estimator_spark, keras, tmp_path_
         np.testing.assert_array_equal(saved, restored)
 
 
+def test_registered_custom_objects_load_in_the_workers(estimator_spark, keras, tmp_path_factory):
+    """A layer and a metric registered with ``keras.saving.register_keras_serializable`` (Keras 3's advice) and
+    passed in ``custom_objects`` under their plain names (upstream's convention): Keras saves them as
+    ``"hvdtest>..."``, a name the workers -- which unpickle the objects without running the registration --
+    could not resolve (``Could not locate function 'hvdtest>abs_error'``)."""
+    from horovod.spark.keras import KerasEstimator
+
+    @keras.saving.register_keras_serializable(package="hvdtest")
+    class Scale(keras.layers.Layer):
+        def __init__(self, factor=1.0, **kwargs):
+            super().__init__(**kwargs)
+            self.factor = factor
+
+        def call(self, x):
+            return x * self.factor
+
+        def get_config(self):
+            return {**super().get_config(), "factor": self.factor}
+
+    @keras.saving.register_keras_serializable(package="hvdtest")
+    def abs_error(y_true, y_pred):
+        return keras.ops.mean(keras.ops.abs(y_true - y_pred), axis=-1)
+
+    df = estimator_spark.createDataFrame(_linear_rows(128, seed=5), ["features", "y", "is_val"])
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1), Scale(2.0)])
+    fitted = KerasEstimator(num_proc=2, store=_store(tmp_path_factory, "registered"), model=model,
+                            optimizer=keras.optimizers.SGD(0.01), loss="mse", metrics=[abs_error],
+                            custom_objects={"Scale": Scale, "abs_error": abs_error}, feature_cols=["features"],
+                            label_cols=["y"], batch_size=16, epochs=1, verbose=0).fit(df)
+    assert len(fitted.getHistory()["abs_error"]) == 1
+    rows = fitted.transform(df).collect()
+    features = np.array([r["features"].toArray() for r in rows], dtype="float32")
+    np.testing.assert_allclose([r["y__output"] for r in rows],
+                               fitted.getModel().predict(features, verbose=0).reshape(-1), rtol=1e-5, atol=1e-5)
+
+
 def test_bad_parameters(estimator_spark, keras, tmp_path_factory):
     from horovod.spark.common.backend import SparkBackend
     from horovod.spark.keras import KerasEstimator

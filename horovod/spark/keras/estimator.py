@@ -197,7 +197,7 @@ class KerasEstimator(HorovodEstimator):
 
         from horovod.spark.keras.learning_rate import scale_learning_rate
         from horovod.spark.keras.remote import TrainSpec, make_trainer
-        from horovod.spark.keras.serialization import model_from_bytes
+        from horovod.spark.keras.serialization import model_from_bytes, shipped_custom_objects
 
         run_id = self._resolve_run_id()
         inputs, _ = self._input_output_shapes()
@@ -207,7 +207,7 @@ class KerasEstimator(HorovodEstimator):
             feature_cols=list(self.getFeatureCols()), label_cols=list(self.getLabelCols()),
             input_shapes=inputs or [None] * len(self.getFeatureCols()), label_shapes=self._label_shapes(dataset),
             batch_size=self.getBatchSize(), val_batch_size=self.getValBatchSize(), epochs=self.getEpochs(),
-            sample_weight_col=self.getSampleWeightCol(), custom_objects=dict(self.getCustomObjects() or {}),
+            sample_weight_col=self.getSampleWeightCol(), custom_objects=shipped_custom_objects(self.getCustomObjects()),
             callbacks=list(self.getCallbacks() or []), checkpoint_callback=self.getCheckpointCallback(),
             train_steps_per_epoch=self.getTrainStepsPerEpoch(),
             validation_steps_per_epoch=self.getValidationStepsPerEpoch(), shuffle=self.getShuffle(),
@@ -321,12 +321,12 @@ class KerasModel(HorovodModel):
             self._set(model=model_from_bytes(model.data, self.getCustomObjects()))
 
     def _predict_fn(self) -> Callable[[dict[str, np.ndarray]], Sequence[np.ndarray]]:
-        from horovod.spark.keras.serialization import model_to_bytes
+        from horovod.spark.keras.serialization import model_to_bytes, shipped_custom_objects
 
         model = self.getModel()
         inputs = [_shape(t) for t in _model_tensors(model, "inputs")]
         features = list(self.getFeatureColumns())
-        return _Predictor(model_to_bytes(model), dict(self.getCustomObjects() or {}), features,
+        return _Predictor(model_to_bytes(model), shipped_custom_objects(self.getCustomObjects()), features,
                           inputs or [None] * len(features), len(self.getLabelColumns()),
                           self.getOrDefault(self._floatx))
 

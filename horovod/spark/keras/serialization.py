@@ -41,6 +41,22 @@ def model_to_bytes(model: Any) -> bytes:
             return f.read()
 
 
+def shipped_custom_objects(custom_objects: Mapping[str, Any] | None) -> dict[str, Any]:
+    """``custom_objects`` plus each object under the name Keras saves it by: an object registered with
+    ``keras.saving.register_keras_serializable`` is saved as ``"<package>>name"``, and the processes that load the
+    model (training workers, ``transform``'s Python workers) get the object unpickled but never run the
+    registration.  Called where the registration ran (the driver)."""
+    import keras
+
+    objects = dict(custom_objects or {})
+    for obj in list(objects.values()):
+        try:
+            objects.setdefault(keras.saving.get_registered_name(obj), obj)
+        except Exception:  # noqa: BLE001 - an instance (a loss object, ...) has no registered name
+            continue
+    return objects
+
+
 def model_from_bytes(data: bytes, custom_objects: Mapping[str, Any] | None = None, *, compile: bool = True,
                      load: Callable[..., Any] | None = None) -> Any:
     """A model from :func:`model_to_bytes`' bytes.

@@ -335,6 +335,7 @@ class _SparkTasks(HostDiscovery):
         self._latest: dict[int, str] = {}  # task index -> the host of its latest attempt
         self._beats: dict[str, tuple[bytes, float]] = {}
         self._exited: set[str] = set()
+        self.errors: dict[str, str] = {}  # host -> the error its worker reported (its exception and traceback)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -379,9 +380,11 @@ class _SparkTasks(HostDiscovery):
             proc.drain()
             record = self.server.get(_host_key("exit", host))
             if record is not None:
+                exit_record = json.loads(record)
                 with self._lock:
                     self._exited.add(host)
-                proc.finish(int(json.loads(record)["code"]))
+                    self.errors[host] = str(exit_record.get("error") or "").strip()
+                proc.finish(int(exit_record["code"]))
                 continue
             with self._lock:
                 seen = self._beats.get(host, (b"", now))[1]
@@ -401,6 +404,12 @@ def _make_driver(tasks: _SparkTasks, job: Any, settings_for: Callable[[Any], tas
 
     class SparkElasticDriver(ElasticDriver):
         submitted = False
+        first_failed_host: str | None = None
+
+        def _failed(self, worker: Any, why: str) -> None:
+            if self.first_failure is None:
+                self.first_failed_host = worker.host
+            super()._failed(worker, why)
 
         def _bind_address(self) -> str:
             return addr
@@ -492,6 +501,7 @@ def run_elastic(fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: Mappin
 
     from horovod.base.config import read_env
     from horovod.runner import spawn
+    from horovod.runner.elastic.driver import AllHostsBlacklisted
     from horovod.runner.output import OutputSink
     from horovod.spark.runner import _driver_address, _env_overrides, _spark_context, _SparkJob
 
@@ -565,6 +575,15 @@ def run_elastic(fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: Mappin
             job.cancel()
     except spawn.JobFailure:
         raise
+    except AllHostsBlacklisted as e:
+        if driver.first_failure is None:
+            raise
+        # As horovodrun's elastic launcher: upstream's words for the first failed worker, then its error.
+        failure = spawn.JobFailure(*driver.first_failure)
+        error = tasks.errors.get(driver.first_failed_host or "", "")
+        detail = f"Rank {driver.first_failure[0]} (host {driver.first_failed_host}) failed"
+        failure.args = (f"{failure.args[0]}({e})\n{detail}" + (f": {error}\n" if error else ".\n"),)
+        raise failure from None
     if job.error is not None:
         from horovod.spark.runner import _spark_error_summary
 

@@ -234,6 +234,13 @@ def _elastic_failing_job() -> None:
     train(state)
 
 
+def _elastic_bad_config_job() -> None:
+    import horovod.numpy as hvd
+
+    hvd.init()
+    raise ValueError("spark-elastic-bad-config")
+
+
 def _sleeping_job() -> None:
     import horovod.numpy as hvd
 
@@ -474,6 +481,20 @@ def test_elastic_reset_limit(spark, marker):
         horovod.spark.run_elastic(_elastic_failing_job, num_proc=2, min_num_proc=1, max_num_proc=2, reset_limit=0,
                                   start_timeout=60, elastic_timeout=30, env={MARKER: marker},
                                   stdout=io.StringIO(), stderr=io.StringIO())
+
+
+def test_elastic_failure_of_every_host_names_the_error(spark, marker):
+    """Every worker fails (a bad configuration): all hosts blacklisted.  The error names the first failed rank
+    and its exception, as the static run and horovodrun's elastic launcher do (it said only "All hosts are
+    blacklisted; 2 slots needed to continue.", the exception being in the forwarded stderr alone)."""
+    import horovod.spark
+
+    with pytest.raises(RuntimeError) as info:
+        horovod.spark.run_elastic(_elastic_bad_config_job, num_proc=2, start_timeout=60, elastic_timeout=30,
+                                  env={MARKER: marker}, stdout=io.StringIO(), stderr=io.StringIO())
+    text = str(info.value)
+    assert text.startswith("Horovod detected that one or more processes exited with non-zero status"), text
+    assert "All hosts are blacklisted" in text and "ValueError: spark-elastic-bad-config" in text, text
 
 
 def test_arguments(spark):

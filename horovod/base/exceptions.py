@@ -62,3 +62,10 @@ class HorovodVersionMismatchError(ImportError, HorovodError):
         self.name = name
         self.version = version
         self.installed_version = installed_version
+
+
+def follows_from_another_rank(error_text: str) -> bool:
+    """Whether a rank's error (``"<Type>: <message>"``) only follows from another rank's failure -- the
+    shut-down notice, a lost or mismatched peer -- so that launchers name the rank that failed first."""
+    text = error_text.strip()
+    return text.startswith(("ShutdownError", "GenerationMismatch", "PeerFailure")) or "called shutdown()" in text

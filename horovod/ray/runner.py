@@ -503,10 +503,9 @@ def _describe(e: BaseException) -> str:
 
 def _is_consequence(e: BaseException) -> bool:
     """An error that only follows from another rank's failure (shut-down notice, generation mismatch)."""
+    from horovod.base.exceptions import ShutdownError, follows_from_another_rank
     from horovod.common.bootstrap import GenerationMismatch
-    from horovod.common.exceptions import ShutdownError
 
     cause = getattr(e, "cause", None)
     text = f"{type(cause).__name__}: {cause}" if cause is not None else str(e)
-    return (isinstance(cause, (ShutdownError, GenerationMismatch))
-            or text.startswith(("ShutdownError", "GenerationMismatch", "PeerFailure")) or "called shutdown()" in text)
+    return isinstance(cause, (ShutdownError, GenerationMismatch)) or follows_from_another_rank(text)

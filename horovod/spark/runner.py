@@ -32,6 +32,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import IO, Any
 
+from horovod.base.exceptions import follows_from_another_rank
 from horovod.runner.common.util.timeout import TimeoutException
 from horovod.spark import task as task_mod
 
@@ -249,12 +250,6 @@ def _failure(record: dict[str, Any]) -> RuntimeError:
     return failure
 
 
-def _is_consequence(error: str | None) -> bool:
-    """A rank's error that only follows from another rank's failure (its shutdown, a lost peer)."""
-    text = (error or "").strip()
-    return text.startswith(("ShutdownError", "GenerationMismatch", "PeerFailure")) or "called shutdown()" in text
-
-
 def _first_failure(server: Any, num_proc: int, seen: dict[int, dict[str, Any]]) -> dict[str, Any] | None:
     """The earliest non-zero exit recorded so far (by the tasks' clocks); one that only followed from another
     rank's failure (a ``ShutdownError`` naming that rank) comes after, one the driver's abort caused last.
@@ -268,8 +263,8 @@ def _first_failure(server: Any, num_proc: int, seen: dict[int, dict[str, Any]]) 
             if value is not None:
                 seen[rank] = json.loads(value)
     failed = [r for r in seen.values() if r["code"] != 0]
-    return min(failed, key=lambda r: (bool(r.get("aborted")), _is_consequence(r.get("error")), r["time"])) \
-        if failed else None
+    return min(failed, key=lambda r: (bool(r.get("aborted")), follows_from_another_rank(r.get("error") or ""),
+                                      r["time"])) if failed else None
 
 
 def run(fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None,

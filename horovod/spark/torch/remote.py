@@ -209,8 +209,9 @@ def train(spec: TrainSpec) -> dict[str, Any] | None:
                 if (step + 1) % bpps == 0:
                     optimizer.step()
                     optimizer.zero_grad()
-            if training and metric_fns:  # the metrics compare the labels shaped as the loss saw them
-                outputs, targets = transform_outputs(outputs, targets)
+            if training:
+                if metric_fns:  # the metrics compare the labels shaped as the loss saw them
+                    outputs, targets = transform_outputs(outputs, targets)
             else:
                 with torch.no_grad():
                     outputs, targets = transform_outputs(model(*inputs), targets)

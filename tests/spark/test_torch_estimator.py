@@ -205,6 +205,26 @@ def test_training_metric_compares_labels_shaped_like_the_outputs(regression, tmp
     assert record["train"]["loss"] == pytest.approx(0.01, abs=1e-5)
 
 
+def test_one_forward_pass_per_training_step(regression, tmp_path):
+    """Each training step runs the model once: a fix of the metrics' labels ran the validation branch's forward
+    pass again after every step that had no metrics (its loss, after the step, reported as the step's)."""
+
+    class Counting(torch.nn.Linear):
+        def __init__(self):
+            super().__init__(3, 1)
+            self.register_buffer("calls", torch.zeros((), dtype=torch.int64))
+
+        def forward(self, x):
+            self.calls += 1
+            return super().forward(x)
+
+    for metrics in ([], [lambda output, label: (output - label).abs().mean()]):
+        model = Counting()
+        fitted = _linear_estimator(Store.create(str(tmp_path / str(len(metrics)))), model, epochs=2,
+                                   train_steps_per_epoch=3, metrics=metrics).fit(regression.drop("is_val"))
+        assert int(fitted.getModel().calls) == 6, metrics
+
+
 def test_backward_passes_per_step(regression, tmp_path):
     """320 rows, batch 16, 2 processes: 10 batches per epoch, gradients of 2 batches per optimizer step."""
     torch.manual_seed(0)

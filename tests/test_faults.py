@@ -219,6 +219,41 @@ def test_an_uncaught_exception_is_named_on_the_other_ranks(tmp_path):
     assert code != 0
 
 
+def test_a_name_the_other_ranks_cannot_receive_is_refused_at_the_call(tmp_path):
+    """A tensor name that is not a str or not encodable as UTF-8 (a lone surrogate, as os.fsdecode makes of a
+    file name's stray byte): it reached the engine, whose next send to rank 0 failed, and every rank's
+    operations failed with ShutdownError -- the job ended over one bad argument.  Now the call raises on the
+    rank that made it, as upstream's ``name.encode()`` did, and the job goes on."""
+    body = """
+        hvd.init()
+        errors = []
+        for name in ("batch\\udcff.grad", b"bytes.name", 5):
+            try:
+                hvd.allreduce(np.ones(2), name=name)
+                errors.append("no error")
+            except (TypeError, ValueError) as e:
+                errors.append(f"{type(e).__name__}: {e}")
+        try:
+            hvd.grouped_allreduce([np.ones(2), np.ones(3)], name="group\\udcff")
+            errors.append("no error")
+        except ValueError as e:
+            errors.append(f"{type(e).__name__}: {e}")
+        got = hvd.allreduce(np.full(2, hvd.rank() + 1.0), op=hvd.Sum, name="after.bad.names")
+        report(errors=errors, after=got.tolist())
+    """
+    code, out = _run(tmp_path, 2, body, timeout=60.0)
+    reports = _reports(tmp_path, 2)
+    assert code == 0, out
+    for rank in (0, 1):
+        errors = reports[rank]["errors"]
+        assert errors[0].startswith("ValueError: the tensor name 'batch\\udcff.grad' cannot be encoded as UTF-8 "
+                                    "to be sent to the other ranks"), errors
+        assert errors[1] == "TypeError: a tensor name must be a str, got bytes b'bytes.name'", errors
+        assert errors[2] == "TypeError: a tensor name must be a str, got int 5", errors
+        assert errors[3].startswith("ValueError: the tensor name 'group\\udcff' cannot be encoded"), errors
+        assert reports[rank]["after"] == [3.0, 3.0]
+
+
 def test_forked_child_of_a_rank_fails_at_once_and_leaves_the_rank_working(tmp_path):
     """A DataLoader worker (fork) that calls a collective: the child has the engine's state but not its threads,
     so the op waited forever (the loader with it).  Now it fails at once; the child exits normally (atexit) and

@@ -67,6 +67,24 @@ def _array(tensor) -> np.ndarray:
     return arr if arr.flags.c_contiguous else np.ascontiguousarray(arr)
 
 
+def _tensor_name(name, prefix: str, ps_id: int) -> str:
+    """``name``, or a generated one when it is empty.  A name the other ranks cannot be sent (not a ``str``,
+    or not encodable as UTF-8: a lone surrogate from a file name) is refused here, at the call, as upstream's
+    ``name.encode()`` refused it: found by the engine's next send, it failed every rank's operations and
+    ended the job."""
+    if not name:
+        return auto_name(prefix, ps_id)
+    if not isinstance(name, str):
+        raise TypeError(f"a tensor name must be a str, got {type(name).__name__} {name!r}")
+    if not name.isascii():
+        try:
+            name.encode()
+        except UnicodeEncodeError as e:
+            raise ValueError(f"the tensor name {name!r} cannot be encoded as UTF-8 to be sent to the other "
+                             f"ranks: {e.reason} at position {e.start}") from None
+    return name
+
+
 def _enqueue(items: list[tuple[Request, np.ndarray | None, np.ndarray | None]]) -> list[Handle]:
     return basics.engine().enqueue(items)
 
@@ -112,7 +130,7 @@ def allreduce(tensor, output: np.ndarray | None = None, *, name: str | None = No
     else:
         ps_id, _ = _set_id(process_set, RequestType.ALLREDUCE)
         engine = basics.engine()
-    req = Request(RequestType.ALLREDUCE, ps_id, name or auto_name("allreduce", ps_id), dtype_code(arr.dtype),
+    req = Request(RequestType.ALLREDUCE, ps_id, _tensor_name(name, "allreduce", ps_id), dtype_code(arr.dtype),
                   arr.shape, -1, op, float(prescale_factor), float(postscale_factor))
     return engine.enqueue_one(req, arr, output, wake, send_now)
 
@@ -126,7 +144,7 @@ def grouped_allreduce(tensors: Sequence, outputs: Sequence | None = None, *, nam
         for arr in arrays:
             check_adasum(arr.dtype)
     ps_id, _ = _set_id(process_set, RequestType.ALLREDUCE)
-    base = name or auto_name("grouped_allreduce" if _grouped else "allreduce", ps_id)
+    base = _tensor_name(name, "grouped_allreduce" if _grouped else "allreduce", ps_id)
     group_id = next(_group_ids) if _grouped and len(arrays) > 1 else -1
     items = []
     for i, arr in enumerate(arrays):
@@ -142,7 +160,7 @@ def allgather(tensor, *, name: str | None = None, process_set: ProcessSet = glob
     """Enqueue an allgather; ``wake=False`` when the caller waits for it right away (see :func:`allreduce`)."""
     ps_id, _ = _set_id(process_set, RequestType.ALLGATHER)
     arr = _array(tensor)
-    req = Request(RequestType.ALLGATHER, ps_id, name or auto_name("allgather", ps_id), dtype_code(arr.dtype),
+    req = Request(RequestType.ALLGATHER, ps_id, _tensor_name(name, "allgather", ps_id), dtype_code(arr.dtype),
                   arr.shape)
     return basics.engine().enqueue_one(req, arr, None, wake)
 
@@ -151,7 +169,7 @@ def grouped_allgather(tensors: Sequence, *, name: str | None = None,
                       process_set: ProcessSet = global_process_set, _grouped: bool = True) -> list[Handle]:
     ps_id, _ = _set_id(process_set, RequestType.ALLGATHER)
     arrays = [_array(t) for t in tensors]
-    base = name or auto_name("grouped_allgather" if _grouped else "allgather", ps_id)
+    base = _tensor_name(name, "grouped_allgather" if _grouped else "allgather", ps_id)
     items = []
     for i, arr in enumerate(arrays):
         tname = f"{base}_{i + 1}of{len(arrays)}" if _grouped else base
@@ -177,7 +195,7 @@ def broadcast(tensor, root_rank: int, output: np.ndarray | None = None, *, name:
     if root_rank not in ranks:
         raise ValueError(f"broadcast received invalid root rank {root_rank} for provided process set")
     arr = _array(tensor)
-    req = Request(RequestType.BROADCAST, ps_id, name or auto_name("broadcast", ps_id), dtype_code(arr.dtype),
+    req = Request(RequestType.BROADCAST, ps_id, _tensor_name(name, "broadcast", ps_id), dtype_code(arr.dtype),
                   arr.shape, root_rank)
     return basics.engine().enqueue_one(req, arr, output, wake)
 
@@ -207,7 +225,7 @@ def alltoall(tensor, splits=None, *, name: str | None = None,
             raise ValueError("alltoall expects non-negative splits.")
         if sum(split_list) > dim0:
             raise ValueError("Sum of splits entries is greater than the first dimension of tensor.")
-    req = Request(RequestType.ALLTOALL, ps_id, name or auto_name("alltoall", ps_id), dtype_code(arr.dtype), arr.shape,
+    req = Request(RequestType.ALLTOALL, ps_id, _tensor_name(name, "alltoall", ps_id), dtype_code(arr.dtype), arr.shape,
                   splits=tuple(split_list))
     return _enqueue([(req, arr, None)])[0]
 
@@ -225,7 +243,7 @@ def grouped_reducescatter(tensors: Sequence, *, name: str | None = None, op: int
     _check_op(op, RequestType.REDUCESCATTER)
     ps_id, _ = _set_id(process_set, RequestType.REDUCESCATTER)
     arrays = [_array(t) for t in tensors]
-    base = name or auto_name("grouped_reducescatter" if _grouped else "reducescatter", ps_id)
+    base = _tensor_name(name, "grouped_reducescatter" if _grouped else "reducescatter", ps_id)
     items = []
     for i, arr in enumerate(arrays):
         tname = f"{base}_{i + 1}of{len(arrays)}" if _grouped else base

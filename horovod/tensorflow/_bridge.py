@@ -173,8 +173,19 @@ class Wait:
             for h in handles:
                 h.wait(max(0.0, deadline - time.monotonic()))
         results = [h.wait() for h in handles]
-        self._handles = []
-        return self._convert(results) if self._convert is not None else results
+        out = self._convert(results) if self._convert is not None else results
+        self._handles = []  # (kept when the conversion raised: the completer's second call raises it again)
+        return out
+
+    def with_check(self, handle, check: Callable[[np.ndarray], None]) -> Wait:
+        """This wait, also waiting for ``handle`` (after the others) and handing its result to ``check``,
+        which may raise, before the conversion."""
+        convert = self._convert
+
+        def checked(results: list) -> list:
+            check(results[-1])
+            return convert(results[:-1]) if convert is not None else results[:-1]
+        return Wait([*self._handles, handle], checked)
 _DIRECT_DTYPES = (tf.float16, tf.float32, tf.float64, tf.int8, tf.uint8, tf.int16, tf.int32, tf.int64)
 _owned_ok: bool | None = None
 

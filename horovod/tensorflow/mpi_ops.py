@@ -9,14 +9,17 @@ same on every rank because every rank builds the same graph); in eager mode ``na
 from __future__ import annotations
 
 import functools
+import hashlib
 import itertools
 import re
+import threading
 from collections.abc import Callable, Sequence
 
 import numpy as np
 import tensorflow as tf
 
 from horovod.base.config import read_env
+from horovod.base.exceptions import PreconditionError
 from horovod.base.reduce_ops import data_plane_op
 from horovod.common import basics as _basics_mod
 from horovod.common import ops as _ops
@@ -136,6 +139,9 @@ def _grouped_allreduce_raw(tensors: Sequence[tf.Tensor], *, op: int, prescale_fa
     submit = _reduction_submit(one, _ops.grouped_allreduce, grouped, name=name, op=op,
                                prescale_factor=prescale_factor, postscale_factor=postscale_factor,
                                process_set=process_set)
+    if not tf.executing_eagerly() and _bridge._queue_path():
+        # another rank may take the flat path for this name (its shapes known statically): check alike
+        submit = _with_layout_check(submit, name, process_set)
     outs = run_collective(submit, tensors, [t.dtype for t in tensors], "HorovodAllreduce")
     for o, t in zip(outs, tensors):
         o.set_shape(t.shape)
@@ -187,12 +193,16 @@ def _flat_allreduce(tensors: list[tf.Tensor], *, op: int, prescale_factor: float
     flat_in += [tf.reshape(tensors[i], [-1]) for i in own]
     owned = _private(flat_in)
 
+    layout = _FlatLayout(name, shapes, process_set)
+
     def submit(arrays):
         both = arrays[0] if len(arrays) == 1 else _ops.Pieces(arrays, merge=False)
+        check = layout.start()
         handle = _ops.allreduce(both, both, name=name, op=op, prescale_factor=prescale_factor,
                                 postscale_factor=postscale_factor, process_set=process_set, send_now=True)
         del both, arrays[:]  # from here on only the handle holds the views (the Wait drops it when done)
-        return Wait([handle], lambda _results: [])
+        wait = Wait([handle], lambda _results: [])
+        return wait if check is None else wait.with_check(check, layout.finish)
 
     results = run_collective(submit, [], [], "HorovodAllreduce", owned=owned)
     out: list = [None] * len(tensors)
@@ -204,6 +214,65 @@ def _flat_allreduce(tensors: list[tf.Tensor], *, op: int, prescale_factor: float
     for i, r in zip(own, results[1:] if shared else results):
         out[i] = tf.reshape(r, shapes[i])
     return out
+
+
+_layouts_lock = threading.Lock()
+_layouts_started: dict[tuple[str | None, int | None], tuple[int, int]] = {}
+"""(name, process set id) of a flat allreduce -> the participation epoch in which its layout check was sent.
+Kept per name, not per traced function, and set when the check is sent: every rank then sends it at the
+same call (a function traced again on one rank only, an aborted step whose check is still in flight) and
+never twice at once."""
+
+
+class _FlatLayout:
+    """The check that a flat allreduce's tensors have the same shapes on every rank.
+
+    The flat tensor's length is all the engine compares, and the 64-byte gaps of :func:`_aligned_layout`
+    (or shapes with the same number of elements: ``[2, 3]`` and ``[3, 2]``, or two tensors swapped) give
+    the same length to other shapes: their elements were summed into the wrong tensors without a word (a
+    model that differs between ranks trained on wrong gradients).  As the torch optimizer's buckets, the first
+    reduction of a name in each participation epoch also sums ``[1, d, d*d]`` for a digest ``d`` of the
+    shapes: ``d`` is everyone's iff ``sum(d) == n*d`` and ``sum(d*d) == n*d*d``.  Inside ``tf.function`` the
+    general path sends the same check: a rank whose shapes are not all known statically takes it for a name
+    another rank reduces flat."""
+
+    def __init__(self, name: str | None, shapes: Sequence, process_set: ProcessSet) -> None:
+        shapes = [tuple(int(d) for d in s) for s in shapes]  # static (flat path) or numpy (general path) alike
+        self.name, self.shapes, self.process_set = name, shapes, process_set
+        digest = hashlib.blake2b(repr(shapes).encode(), digest_size=4).digest()
+        self.digest = (int.from_bytes(digest, "little") & 0xFFFFF) + 1
+        self.key = (name, process_set.process_set_id)
+
+    def start(self):
+        """The handle of this call's layout check; None when the name's check was sent in this epoch."""
+        epoch = _basics_mod.participation_epoch()
+        with _layouts_lock:
+            if _layouts_started.get(self.key) == epoch:
+                return None
+            _layouts_started[self.key] = epoch
+        d = self.digest
+        return _ops.allreduce(np.array([1, d, d * d], dtype=np.int64), name=f"{self.name}.layout", op=Sum,
+                              process_set=self.process_set, send_now=True)
+
+    def finish(self, sums) -> None:
+        n, sum_d, sum_d2 = (int(x) for x in sums)
+        d = self.digest
+        if sum_d != n * d or sum_d2 != n * d * d:
+            shown = ", ".join(str(list(s)) for s in self.shapes[:8]) + (", ..." if len(self.shapes) > 8 else "")
+            raise PreconditionError(
+                f"Mismatched ALLREDUCE tensor shapes: the tensors reduced together as {self.name} do not have the "
+                f"same shapes on every rank; this rank's: [{shown}] ({len(self.shapes)} tensors). Every rank "
+                "must reduce the same tensors (train the same model).")
+
+
+def _with_layout_check(submit: Callable, name: str | None, process_set: ProcessSet) -> Callable:
+    """``submit`` of the general path, with the layout check the flat path sends (from the arrays' shapes)."""
+    def checked(arrays):
+        layout = _FlatLayout(name, [a.shape for a in arrays], process_set)
+        check = layout.start()
+        wait = submit(arrays)
+        return wait if check is None else wait.with_check(check, layout.finish)
+    return checked
 
 
 _private_ids = itertools.count()

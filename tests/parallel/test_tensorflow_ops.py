@@ -184,6 +184,8 @@ def test_grouped_allreduce_large_results_are_updated_in_place(monkeypatch):
     submit = mpi_ops._ops.allreduce
 
     def recording(tensor, output=None, **kwargs):
+        if output is None:  # the name's layout check (its first call), not the group's allreduce
+            return submit(tensor, output, **kwargs)
         parts = output.parts if isinstance(output, mpi_ops._ops.Pieces) else [output]
         written[:] = [p.ctypes.data for p in parts]
         return submit(tensor, output, **kwargs)
@@ -215,6 +217,8 @@ def test_grouped_allreduce_reduces_a_tensor_made_for_it_in_place():
     submit = mpi_ops._ops.allreduce
 
     def recording(tensor, output=None, **kwargs):
+        if output is None:  # the name's layout check (its first call), not the tensor's allreduce
+            return submit(tensor, output, **kwargs)
         reduced[:] = [p.ctypes.data for p in (tensor.parts if isinstance(tensor, mpi_ops._ops.Pieces) else [tensor])]
         assert output is tensor
         return submit(tensor, output, **kwargs)
@@ -562,6 +566,34 @@ def test_mismatch_in_graph_mode_surfaces_through_a_reshape():
         tf.function(lambda: tf.reshape(hvd.allreduce(tf.ones([r + 1, 20_000]), name="err_own_fn"), [-1]) * 2)()
     with pytest.raises(tf.errors.OpError, match="Mismatched"):
         tf.function(lambda: tf.reshape(hvd.allgather(tf.ones([2, 3 + r]), name="err_gather_fn"), [-1]) * 2)()
+
+
+def test_mismatch_of_equal_flat_lengths_in_graph_mode_is_reported():
+    """Inside tf.function an allreduce reaches the engine as one flat tensor, whose length is all the engine
+    compares: shapes [2, 3] and [3, 2], or a group's tensors of [3] and [4] elements (the 64-byte gaps between
+    a group's tensors give both the same length), were summed into the wrong elements without an error -- a
+    model that differs between ranks trained on wrong gradients.  Each name's first reduction now checks the
+    shapes too; a later call of the name with the same shapes everywhere works."""
+    r, n = hvd.rank(), hvd.size()
+    with pytest.raises(tf.errors.OpError, match="Mismatched ALLREDUCE tensor shapes: the tensors reduced together "
+                                                "as err_transposed_fn do not have the same shapes on every rank"):
+        tf.function(lambda: hvd.allreduce(tf.ones([2, 3] if r == 0 else [3, 2]), name="err_transposed_fn"))()
+    with pytest.raises(tf.errors.OpError, match=r"err_padded_fn do not have the same shapes on every rank; this "
+                                                rf"rank's: \[\[{3 + r}\], \[2\]\] \(2 tensors\)"):
+        tf.function(lambda: hvd.grouped_allreduce([tf.ones([3 + r]), tf.ones([2])], name="err_padded_fn"))()
+    w = [tf.ones([3 + r]), tf.ones([2])]
+
+    @tf.function
+    def grads():
+        with tf.GradientTape() as tape:
+            tape.watch(w)
+            loss = tf.reduce_sum(w[0]) + tf.reduce_sum(w[1])
+        return hvd.DistributedGradientTape(tape).gradient(loss, w)
+    with pytest.raises(tf.errors.OpError, match="do not have the same shapes on every rank"):
+        grads()
+    got = tf.function(lambda: hvd.grouped_allreduce([tf.ones([3]), tf.ones([2])], name="err_padded_fn",
+                                                    op=hvd.Sum))()
+    assert [g.numpy().tolist() for g in got] == [[n] * 3, [n] * 2]
 
 
 def test_a_call_after_an_aborted_one_gets_its_own_results():

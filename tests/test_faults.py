@@ -254,6 +254,29 @@ def test_a_name_the_other_ranks_cannot_receive_is_refused_at_the_call(tmp_path):
         assert reports[rank]["after"] == [3.0, 3.0]
 
 
+def test_garbage_on_a_control_channel_is_named_as_such(tmp_path):
+    """Bytes that are not a frame on rank 1's control channel (a broken rank, a stray write into its socket):
+    rank 0 blamed rank 1 for having "exited or lost its connection" while it was alive.  Now its cause says
+    that rank 1 sent a malformed control message, and what was wrong with it."""
+    body = """
+        from horovod.common import basics
+        hvd.init()
+        hvd.allreduce(np.ones(2), name="together")
+        if hvd.rank() == 1:
+            basics.engine().mesh.ctrl[0].sock.sendall(b"\\x00GARBAGE" * 4)
+        try:
+            hvd.allreduce(np.ones(2), name="after.garbage")
+            report(ok=True)
+        except Exception as e:
+            report(error=str(e), type=type(e).__name__)
+    """
+    _run(tmp_path, 2, body, timeout=60.0)
+    reports = _reports(tmp_path, 2)
+    assert reports[0]["type"] == "ShutdownError", reports
+    assert reports[0]["error"].endswith("Cause: rank 1 on host localhost sent a malformed control message: bad "
+                                        "frame magic b'\\x00G' from rank 1"), reports[0]
+
+
 def test_forked_child_of_a_rank_fails_at_once_and_leaves_the_rank_working(tmp_path):
     """A DataLoader worker (fork) that calls a collective: the child has the engine's state but not its threads,
     so the op waited forever (the loader with it).  Now it fails at once; the child exits normally (atexit) and

@@ -606,6 +606,9 @@ class Engine:
             if self._stop_reason is None:
                 if self._shutdown_requested is not None:
                     reason = self._shutdown_requested
+                elif isinstance(e, WireError):  # garbage on the stream: the peer is alive, and broken
+                    reason = f"rank 0 sent a malformed control message: {e}"
+                    log.error(reason)
                 elif silent is not None:
                     reason = self._unresponsive(0, silent, f"rank {self.rank} waited for it",
                                                 f", then it closed ({e})")
@@ -616,7 +619,10 @@ class Engine:
                 self._stop_reason = reason
         else:
             host = self.mesh.hostnames[peer] if self.mesh is not None else "?"
-            if silent is not None:
+            if isinstance(e, WireError):  # garbage on the stream: the peer is alive, and broken
+                reason = f"rank {peer} on host {host} sent a malformed control message: {e}"
+                log.error(reason)
+            elif silent is not None:
                 reason = self._unresponsive(peer, silent, "other ranks waited for it", ", then it closed")
             else:
                 reason = f"rank {peer} on host {host} exited or lost its connection"

@@ -9,7 +9,6 @@ same on every rank because every rank builds the same graph); in eager mode ``na
 from __future__ import annotations
 
 import functools
-import hashlib
 import itertools
 import re
 import threading
@@ -19,11 +18,11 @@ import numpy as np
 import tensorflow as tf
 
 from horovod.base.config import read_env
-from horovod.base.exceptions import PreconditionError
 from horovod.base.reduce_ops import data_plane_op
 from horovod.common import basics as _basics_mod
 from horovod.common import ops as _ops
 from horovod.common.basics import Adasum, Average, Max, Min, Product, Sum
+from horovod.common.layout_check import mismatch_error, shape_moments, shapes_agree
 from horovod.common.process_sets import ProcessSet, global_process_set
 from horovod.tensorflow import _bridge
 from horovod.tensorflow._bridge import Wait, run_collective
@@ -225,22 +224,13 @@ never twice at once."""
 
 
 class _FlatLayout:
-    """The check that a flat allreduce's tensors have the same shapes on every rank.
-
-    The flat tensor's length is all the engine compares, and the 64-byte gaps of :func:`_aligned_layout`
-    (or shapes with the same number of elements: ``[2, 3]`` and ``[3, 2]``, or two tensors swapped) give
-    the same length to other shapes: their elements were summed into the wrong tensors without a word (a
-    model that differs between ranks trained on wrong gradients).  As the torch optimizer's buckets, the first
-    reduction of a name in each participation epoch also sums ``[1, d, d*d]`` for a digest ``d`` of the
-    shapes: ``d`` is everyone's iff ``sum(d) == n*d`` and ``sum(d*d) == n*d*d``.  Inside ``tf.function`` the
-    general path sends the same check: a rank whose shapes are not all known statically takes it for a name
-    another rank reduces flat."""
+    """The check that a flat allreduce's tensors have the same shapes on every rank
+    (:mod:`horovod.common.layout_check`): sent with the first reduction of a name in each participation epoch.
+    Inside ``tf.function`` the general path sends the same check: a rank whose shapes are not all known
+    statically takes it for a name another rank reduces flat."""
 
     def __init__(self, name: str | None, shapes: Sequence, process_set: ProcessSet) -> None:
-        shapes = [tuple(int(d) for d in s) for s in shapes]  # static (flat path) or numpy (general path) alike
         self.name, self.shapes, self.process_set = name, shapes, process_set
-        digest = hashlib.blake2b(repr(shapes).encode(), digest_size=4).digest()
-        self.digest = (int.from_bytes(digest, "little") & 0xFFFFF) + 1
         self.key = (name, process_set.process_set_id)
 
     def start(self):
@@ -250,19 +240,12 @@ class _FlatLayout:
             if _layouts_started.get(self.key) == epoch:
                 return None
             _layouts_started[self.key] = epoch
-        d = self.digest
-        return _ops.allreduce(np.array([1, d, d * d], dtype=np.int64), name=f"{self.name}.layout", op=Sum,
+        return _ops.allreduce(shape_moments(self.shapes), name=f"{self.name}.layout", op=Sum,
                               process_set=self.process_set, send_now=True)
 
     def finish(self, sums) -> None:
-        n, sum_d, sum_d2 = (int(x) for x in sums)
-        d = self.digest
-        if sum_d != n * d or sum_d2 != n * d * d:
-            shown = ", ".join(str(list(s)) for s in self.shapes[:8]) + (", ..." if len(self.shapes) > 8 else "")
-            raise PreconditionError(
-                f"Mismatched ALLREDUCE tensor shapes: the tensors reduced together as {self.name} do not have the "
-                f"same shapes on every rank; this rank's: [{shown}] ({len(self.shapes)} tensors). Every rank "
-                "must reduce the same tensors (train the same model).")
+        if not shapes_agree(sums, shape_moments(self.shapes)):
+            raise mismatch_error("tensors", self.name, self.shapes)
 
 
 def _with_layout_check(submit: Callable, name: str | None, process_set: ProcessSet) -> Callable:

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import hashlib
 import logging
 import warnings
 import weakref
@@ -35,10 +34,10 @@ from typing import Any
 import torch
 
 from horovod.base.config import read_env
-from horovod.base.exceptions import PreconditionError
 from horovod.base.reduce_ops import predivide_scales
 from horovod.common import basics
 from horovod.common.basics import Adasum, Average, Sum
+from horovod.common.layout_check import mismatch_error, shape_moments, shapes_agree
 from horovod.common.process_sets import ProcessSet, global_process_set
 from horovod.common.util import split_list
 from horovod.torch.compression import Compression, Compressor
@@ -106,12 +105,8 @@ class _Bucket:
         return [tuple(p.shape) for p in self.params]
 
     def layout_moments(self) -> torch.Tensor:
-        """``[1, d, d*d]`` for a 20-bit hash ``d`` of the members' shapes (equal numbers of elements in other
-        shapes would be summed slot into the wrong slot without a word). Summed over the ranks that take
-        part (a joined rank adds zeros), ``d`` is everyone's iff ``sum(d) == n*d`` and ``sum(d*d) == n*d*d``."""
-        digest = hashlib.blake2b(repr(self.shapes()).encode(), digest_size=4).digest()
-        d = (int.from_bytes(digest, "little") & 0xFFFFF) + 1
-        return torch.tensor([1, d, d * d], dtype=torch.int64)
+        """The members' :func:`~horovod.common.layout_check.shape_moments`."""
+        return torch.from_numpy(shape_moments(self.shapes()))
 
 
 class _BucketReduction:
@@ -141,22 +136,12 @@ class _BucketReduction:
 
     def _check_layouts(self, sums: torch.Tensor) -> None:
         bucket = self.bucket
-        _, d, d2 = bucket.layout_moments().tolist()
-        n, sum_d, sum_d2 = sums.tolist()
-        if sum_d == n * d and sum_d2 == n * d2:
+        if shapes_agree(sums.tolist(), bucket.layout_moments().tolist()):
             bucket.layout_checked_in = basics.participation_epoch()
             return
         with contextlib.suppress(Exception):  # the bucket's own allreduce: done, or failed on the shapes
             synchronize(self.handle)
-        raise PreconditionError(  # as the engine's own shape mismatch
-            f"Mismatched ALLREDUCE tensor shapes: the gradients reduced together as {bucket.name} do not have the "
-            f"same shapes on every rank; this rank's: {_short(bucket.shapes())}. Every rank must train the "
-            "same model.")
-
-
-def _short(items: list, limit: int = 8) -> str:
-    shown = ", ".join(str(list(i)) for i in items[:limit])
-    return f"[{shown}{', ...' if len(items) > limit else ''}] ({len(items)} tensors)"
+        raise mismatch_error("gradients", bucket.name, bucket.shapes())  # as the engine's own shape mismatch
 
 
 class _Reduction:

@@ -314,12 +314,12 @@ class RayExecutor:
         """``fn(*args, **kwargs)`` on every rank; the results in rank order.
 
         Elastic (``min_workers``): runs the job until a worker of the final generation returns; the results of
-        that generation's workers in rank order (``fn`` should use ``hvd.elastic.run``).  ``callbacks`` are not
-        supported.
+        that generation's workers in rank order (``fn`` should use ``hvd.elastic.run``).  ``callbacks``: ignored
+        by a static job, as upstream's; not supported by an elastic one (``horovod.ray.ray_logger``).
         """
-        if callbacks:
-            raise NotImplementedError("callbacks (horovod.ray.ray_logger) are not supported")
         if self._elastic_cls_or_none() is not None:
+            if callbacks:
+                raise NotImplementedError("callbacks (horovod.ray.ray_logger) are not supported")
             if self._elastic is None:
                 raise RuntimeError("horovod.ray: call RayExecutor.start() before running functions")
             args, kwargs = list(args or []), dict(kwargs or {})

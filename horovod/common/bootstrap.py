@@ -222,6 +222,22 @@ def _key_rank(key: str) -> int | None:
     return int(tail) if dot and tail.isdigit() else None
 
 
+def record_exit(server, rank: int, code: int) -> None:
+    """The launcher's note, in its store (``server``: get/put in process), that ``rank``'s process has exited:
+    a peer waiting for it in ``init()`` fails within a poll, naming it, instead of waiting out the start
+    timeout.  Static jobs only: there a rank is never replaced."""
+    import json
+
+    key = _STATE_KEY.format(rank=rank)
+    try:
+        state = json.loads(server.get(key) or b"{}")
+    except ValueError:
+        state = {}
+    state = state if isinstance(state, dict) else {}
+    state["exited"] = code
+    server.put(key, json.dumps(state).encode())
+
+
 class _GenerationStore:
     """The store as one ``init()`` generation sees it: a wait for a peer's key names a generation mismatch.
 
@@ -257,8 +273,9 @@ class _GenerationStore:
             gen = state.get("generation") if state else None
             moved_on = isinstance(gen, int) and gen > self.generation
             failed = gen == self.generation and state.get("error")
+            exited = state.get("exited") if state else None  # the launcher saw its process end
             expired = time.monotonic() >= deadline
-            if not (moved_on or failed or expired):
+            if not (moved_on or failed or expired or exited is not None):
                 continue
             try:  # the key may have arrived between the two looks (the peer puts it before moving on)
                 return self._store.get(key, timeout=0)
@@ -267,6 +284,12 @@ class _GenerationStore:
             if failed:
                 raise GenerationMismatch(peer, f"Horovod initialization failed: rank {peer} failed to "
                                                f"initialize generation {gen}: {state['error']}")
+            if exited is not None:
+                when = "without calling init()" if gen is None else f"after generation {gen} of init()"
+                raise GenerationMismatch(
+                    peer, f"Horovod initialization failed: the process of rank {peer} exited (status {exited}) "
+                          f"{when} while rank {self.rank} waited for it at generation {self.generation}: every "
+                          "rank must call hvd.init() the same number of times")
             if moved_on or gen != self.generation:
                 where = "never called init()" if gen is None else f"is at generation {gen} of init()"
                 raise GenerationMismatch(

@@ -237,7 +237,8 @@ def _run(job: JobSpec, stop_event: threading.Event | None = None) -> list[Any] |
             def spawner(spec: spawn.WorkerSpec) -> Any:
                 return spawn.spawn_local(spec) if spec.hostname in local_names else remote_spawn(spec)
 
-        spawn.run_workers(specs, spawner=spawner, output=output, stop_event=stop_event)
+        spawn.run_workers(specs, spawner=spawner, output=output, stop_event=stop_event,
+                          on_exit=lambda rank, code: _record_exit(server, rank, code))
         logger.info("horovodrun: all %d ranks exited successfully after %.1f s", len(specs),
                     time.monotonic() - started)
         if job.run_func:
@@ -245,6 +246,13 @@ def _run(job: JobSpec, stop_event: threading.Event | None = None) -> list[Any] |
         return None
     finally:
         server.stop()
+
+
+def _record_exit(server: Any, rank: int, code: int) -> None:
+    """A rank's process ended: the ranks still waiting for it in ``init()`` fail at once, naming it."""
+    from horovod.common.bootstrap import record_exit
+
+    record_exit(server, rank, code)
 
 
 def _check_build_text(verbose: bool) -> str:

@@ -221,7 +221,8 @@ def open_output_files(options: OutputOptions, rank: int, num_proc: int,
 
 
 def run_workers(specs: Sequence[WorkerSpec], spawner: Spawner = spawn_local,
-                output: OutputOptions | None = None, stop_event: threading.Event | None = None) -> None:
+                output: OutputOptions | None = None, stop_event: threading.Event | None = None,
+                on_exit: Callable[[int, int], None] | None = None) -> None:
     """Start every worker, forward its output, and wait until all exit.
 
     Returns when every worker exited 0.  When one exits non-zero the others are terminated and
@@ -273,6 +274,8 @@ def run_workers(specs: Sequence[WorkerSpec], spawner: Spawner = spawn_local,
             except queue.Empty:
                 continue
             remaining -= 1
+            if on_exit is not None:
+                on_exit(rank, code)
             if code != 0:
                 logger.error("Process %d exit with status code %d.", rank, code)
                 logger.error("Terminating remaining workers after failure of Process %d.", rank)

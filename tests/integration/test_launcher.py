@@ -173,6 +173,31 @@ def test_failure_kills_others_and_reports_first():
     assert _gone(pids, within=5)
 
 
+EXITS_BEFORE_INIT_SCRIPT = textwrap.dedent("""
+    import os, sys
+    import numpy as np
+    import horovod.numpy as hvd
+    if os.environ["HOROVOD_RANK"] == "1":
+        sys.exit(0)  # returns early, without a word, as a script with a rank-dependent branch can
+    hvd.init()
+    hvd.allreduce(np.ones(2))
+""")
+
+
+@pytest.mark.parametrize("np_", [2, 3])
+def test_rank_exiting_zero_before_init_is_named_at_once(np_):
+    """Its peers waited out the start timeout (30 s) in init(); the launcher saw the process end, and says so
+    through the store: every waiting rank fails within a poll, naming it."""
+    start = time.monotonic()
+    proc = horovodrun("-np", str(np_), sys.executable, "-c", EXITS_BEFORE_INIT_SCRIPT,
+                      env={"HOROVOD_START_TIMEOUT": "60"})
+    elapsed = time.monotonic() - start
+    assert proc.returncode != 0, proc.stdout + proc.stderr
+    assert elapsed < 20, elapsed
+    assert "the process of rank 1 exited (status 0) without calling init() while rank 0 waited" in proc.stderr, \
+        proc.stderr[-3000:]
+
+
 def test_worker_killed_by_signal():
     proc = horovodrun("-np", "2", sys.executable, "-c",
                       "import os, signal, time\n"

@@ -153,7 +153,6 @@ def _resolve_comm_sets(sets: list[ProcessSet], mpi) -> list[ProcessSet]:
     is ``MPI.COMM_NULL`` (``Split`` with ``MPI.UNDEFINED``) it stays unregistered.  Collective over the job."""
     from mpi4py import MPI
 
-    from horovod.common.process_sets import ProcessSet as _ProcessSet
     from horovod.transport.mpi import _allgather_json
 
     job_group = mpi.comm.Get_group()
@@ -188,7 +187,7 @@ def _resolve_comm_sets(sets: list[ProcessSet], mpi) -> list[ProcessSet]:
                 ps.ranks = mine[i]
                 resolved.append(ps)
             else:
-                resolved.append(_ProcessSet(group_ranks))
+                resolved.append(type(ps)(list(group_ranks)))  # (process_sets imports this module)
         i += 1
     return resolved
 

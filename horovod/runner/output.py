@@ -12,6 +12,7 @@ import os
 import re
 import threading
 import time
+from collections.abc import Callable
 from typing import IO, BinaryIO
 
 __all__ = ["OutputSink", "forward_stream", "rank_dir_name"]
@@ -48,10 +49,12 @@ class OutputSink:
 
 
 def forward_stream(src: BinaryIO, sink: OutputSink, rank: int, name: str, *,
-                   timestamp: bool = False, copy_to: BinaryIO | None = None) -> None:
+                   timestamp: bool = False, copy_to: BinaryIO | None = None,
+                   on_line: Callable[[str], None] | None = None) -> None:
     """Copy ``src`` to ``sink`` until EOF, each line as ``[<rank>]<name>:<line>``.
 
-    ``copy_to`` (the ``--output-filename`` file) receives the raw bytes, unprefixed.
+    ``copy_to`` (the ``--output-filename`` file) receives the raw bytes, unprefixed; ``on_line`` each line
+    as written, unprefixed.
     """
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     tag = f"[{rank}]<{name}>:"
@@ -60,6 +63,8 @@ def forward_stream(src: BinaryIO, sink: OutputSink, rank: int, name: str, *,
     def emit(line: str) -> None:
         prefix = time.asctime() + tag if timestamp else tag
         sink.write(prefix + line)
+        if on_line is not None:
+            on_line(line)
 
     fd = src.fileno()
     while True:

@@ -28,6 +28,7 @@ import json
 import logging
 import os
 import queue
+import re
 import shutil
 import signal
 import subprocess
@@ -37,6 +38,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import BinaryIO
 
+from horovod.base.exceptions import follows_from_another_rank
 from horovod.runner.output import OutputSink, forward_stream, rank_dir_name
 
 __all__ = ["WorkerSpec", "JobFailure", "spawn_local", "run_workers", "failure_message", "TERMINATE_GRACE",
@@ -46,6 +48,12 @@ logger = logging.getLogger(__name__)
 
 TERMINATE_GRACE = 5.0
 """Seconds between SIGTERM and SIGKILL when workers are stopped."""
+
+CAUSE_GRACE = 3.0
+"""Seconds the launcher waits, after a worker failed only because another rank did (its last error a
+``ShutdownError`` naming that rank), for the rank that caused it to exit, so the summary names the cause."""
+
+_EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_]\w*\.)*([A-Za-z_]\w*(?:Error|Exception|Mismatch|Failure|Interrupt))(?::|$)")
 
 ORPHAN_GRACE = max(1.0, TERMINATE_GRACE - 1.0)
 """Seconds the watchdog gives its worker between SIGTERM and SIGKILL once the launcher is gone (less than
@@ -239,7 +247,16 @@ def run_workers(specs: Sequence[WorkerSpec], spawner: Spawner = spawn_local,
     num_proc = len(specs)
     procs: list[subprocess.Popen] = []
     readers: list[threading.Thread] = []
+    err_readers: dict[int, threading.Thread] = {}
+    last_errors: dict[int, str] = {}  # rank -> the last exception line of its stderr ("ShutdownError: ...")
     exits: queue.Queue[tuple[int, int]] = queue.Queue()
+
+    def error_lines_of(rank: int) -> Callable[[str], None]:
+        def seen(line: str) -> None:
+            match = _EXCEPTION_LINE.match(line)
+            if match:
+                last_errors[rank] = match.group(1) + line[match.end(1):].rstrip()
+        return seen
 
     def wait_for(rank: int, proc: subprocess.Popen) -> None:
         exits.put((rank, proc.wait()))
@@ -257,14 +274,19 @@ def run_workers(specs: Sequence[WorkerSpec], spawner: Spawner = spawn_local,
             for stream, sink, name, copy in ((proc.stdout, out_sink, "stdout", opened and opened[0]),
                                              (proc.stderr, err_sink, "stderr", opened and opened[1])):
                 t = threading.Thread(target=_forward_and_close, args=(stream, sink, spec.rank, name),
-                                     kwargs={"timestamp": output.prefix_timestamp, "copy_to": copy or None},
+                                     kwargs={"timestamp": output.prefix_timestamp, "copy_to": copy or None,
+                                             "on_line": error_lines_of(spec.rank) if name == "stderr" else None},
                                      name=f"horovod-output-{spec.rank}-{name}", daemon=True)
                 t.start()
                 readers.append(t)
+                if name == "stderr":
+                    err_readers[spec.rank] = t
             threading.Thread(target=wait_for, args=(spec.rank, proc), name=f"horovod-wait-{spec.rank}",
                              daemon=True).start()
 
         failure: JobFailure | None = None
+        failed: list[tuple[int, int]] = []  # (rank, code) in the order they exited
+        cause_deadline = None
         remaining = num_proc
         while remaining:
             if stop_event is not None and stop_event.is_set():
@@ -272,15 +294,26 @@ def run_workers(specs: Sequence[WorkerSpec], spawner: Spawner = spawn_local,
             try:
                 rank, code = exits.get(timeout=0.1)
             except queue.Empty:
+                if cause_deadline is not None and time.monotonic() >= cause_deadline:
+                    break
                 continue
             remaining -= 1
             if on_exit is not None:
                 on_exit(rank, code)
             if code != 0:
-                logger.error("Process %d exit with status code %d.", rank, code)
-                logger.error("Terminating remaining workers after failure of Process %d.", rank)
-                failure = JobFailure(rank, code)
-                break
+                failed.append((rank, code))
+                if rank in err_readers:  # its last words: the pipe's EOF follows the exit closely
+                    err_readers[rank].join(timeout=0.5)
+                if not follows_from_another_rank(last_errors.get(rank, "")):
+                    break
+                # failed because another rank did: give that rank a moment to exit, and name it
+                cause_deadline = cause_deadline or time.monotonic() + CAUSE_GRACE
+        if failed:
+            rank, code = next(((r, c) for r, c in failed if not follows_from_another_rank(last_errors.get(r, ""))),
+                              failed[0])
+            logger.error("Process %d exit with status code %d.", rank, code)
+            logger.error("Terminating remaining workers after failure of Process %d.", rank)
+            failure = JobFailure(rank, code)
         if failure is not None:
             terminate_workers(procs)
             _join_readers(readers)
@@ -302,10 +335,10 @@ def run_workers(specs: Sequence[WorkerSpec], spawner: Spawner = spawn_local,
 
 
 def _forward_and_close(src: BinaryIO, sink: OutputSink, rank: int, name: str, *, timestamp: bool,
-                       copy_to: BinaryIO | None) -> None:
+                       copy_to: BinaryIO | None, on_line: Callable[[str], None] | None = None) -> None:
     # The reader owns its pipe and file: closing them from another thread could race a pending read.
     try:
-        forward_stream(src, sink, rank, name, timestamp=timestamp, copy_to=copy_to)
+        forward_stream(src, sink, rank, name, timestamp=timestamp, copy_to=copy_to, on_line=on_line)
     finally:
         src.close()
         if copy_to is not None:

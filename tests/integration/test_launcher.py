@@ -198,6 +198,31 @@ def test_rank_exiting_zero_before_init_is_named_at_once(np_):
         proc.stderr[-3000:]
 
 
+RAISES_IN_A_STEP_SCRIPT = textwrap.dedent("""
+    import time
+    import numpy as np
+    import horovod.numpy as hvd
+    hvd.init()
+    for step in range(5):
+        if hvd.rank() == 1 and step == 3:
+            time.sleep(0.2)  # the others wait in the step's allreduce
+            raise RuntimeError("rank one broke at step 3")
+        hvd.allreduce(np.ones(4), name=f"step.{step}")
+""")
+
+
+def test_summary_names_the_rank_that_raised_not_a_peer_it_shut_down():
+    """Rank 1 raises while its peers wait in a collective: they fail at once with a ShutdownError naming rank 1
+    and often exit before it (its own shutdown takes longer), and the summary named one of them.  The launcher
+    now reads each failed rank's last error and names the rank whose failure was not caused by another's."""
+    for _ in range(2):
+        proc = horovodrun("-np", "3", sys.executable, "-c", RAISES_IN_A_STEP_SCRIPT)
+        assert proc.returncode == 1, proc.stderr
+        assert "RuntimeError: rank one broke at step 3" in proc.stderr
+        assert "Process 1 exit with status code 1." in proc.stderr, proc.stderr[-3000:]
+        assert "The first process to do so was:\nProcess name: 1\nExit code: 1\n" in proc.stderr
+
+
 def test_worker_killed_by_signal():
     proc = horovodrun("-np", "2", sys.executable, "-c",
                       "import os, signal, time\n"

@@ -1,6 +1,7 @@
 """Run by tests/spark/test_lightning_estimator.py under ``horovodrun -np 2``: a LightningModule trained with
 HorovodStrategy, each rank on its own data; rank 0 prints the final weights as JSON.  ``TEST_LIGHTNING`` names
-the Lightning package the module and trainer come from (``lightning.pytorch`` or ``pytorch_lightning``)."""
+the Lightning package the module and trainer come from (``lightning.pytorch`` or ``pytorch_lightning``),
+``TEST_ACCUMULATE`` the trainer's ``accumulate_grad_batches`` (default 1)."""
 
 from __future__ import annotations
 
@@ -51,7 +52,8 @@ def main() -> None:
     model = Regression()
     trainer = pl.Trainer(strategy=strategy_for(pl)(), accelerator="cpu", devices=1, max_epochs=EPOCHS, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         num_sanity_val_steps=0, use_distributed_sampler=False)
+                         num_sanity_val_steps=0, use_distributed_sampler=False,
+                         accumulate_grad_batches=int(os.environ.get("TEST_ACCUMULATE", "1")))
     trainer.fit(model, batches)
     weights = hvd.allgather(torch.cat([model.linear.weight.detach().ravel(), model.linear.bias.detach()])[None])
     if hvd.rank() == 0:

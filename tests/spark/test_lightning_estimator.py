@@ -71,6 +71,35 @@ def test_strategy_matches_single_process_reference(flavour):
     np.testing.assert_allclose(ranks[0], expected, rtol=1e-5, atol=1e-6)
 
 
+def test_strategy_accumulates_gradients():
+    """``accumulate_grad_batches=2``: one step per two batches, with the average over the ranks of the two batches'
+    gradients (Lightning divides each loss by 2).  The strategy used to claim ``handles_gradient_accumulation``,
+    so Lightning called ``step()`` on every batch and ``zero_grad()`` never: each rank stepped with its first
+    batch's gradient alone, then again with both, and the weights ended far from the reference."""
+    code, out, _ = launch(2, [sys.executable, os.path.join(os.path.dirname(__file__), "lightning_strategy_job.py")],
+                          env=clean_env(TEST_LIGHTNING="lightning.pytorch", TEST_ACCUMULATE="2"), timeout=240)
+    assert code == 0, out[-4000:]
+    line = next(ln for ln in out.splitlines() if "RESULT " in ln)
+    ranks = np.array(json.loads(line.split("RESULT ", 1)[1])["weights"])
+    np.testing.assert_array_equal(ranks[0], ranks[1])
+
+    torch.manual_seed(0)
+    reference = torch.nn.Linear(3, 1)
+    data = [job.rank_data(r) for r in range(2)]
+    for _ in range(job.EPOCHS):
+        for step in range(0, job.STEPS, 2):
+            reference.zero_grad()
+            for x, y in data:
+                for k in (step, step + 1):
+                    rows = slice(k * job.BATCH, (k + 1) * job.BATCH)
+                    (torch.nn.functional.mse_loss(reference(x[rows]), y[rows]) / 2).backward()
+            with torch.no_grad():
+                for p in reference.parameters():
+                    p -= job.LR * 2 * p.grad / 2
+    expected = torch.cat([reference.weight.detach().ravel(), reference.bias.detach()]).numpy()
+    np.testing.assert_allclose(ranks[0], expected, rtol=1e-5, atol=1e-6)
+
+
 class Regression(pl.LightningModule):
     """``y = features @ w + b``; records the epochs its trainer started and ended at."""
 

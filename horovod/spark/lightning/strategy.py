@@ -74,10 +74,6 @@ def _strategy_class(pl: ModuleType) -> type:
         def distributed_sampler_kwargs(self) -> dict[str, Any]:
             return {"num_replicas": self.world_size, "rank": self.global_rank}
 
-        @property
-        def handles_gradient_accumulation(self) -> bool:
-            return True
-
         def model_to_device(self) -> None:
             if self._device.type == "cuda":
                 torch.cuda.set_device(self._device)

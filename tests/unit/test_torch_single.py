@@ -195,3 +195,22 @@ def test_sync_batch_norm_trains_only_once_initialized():
     finally:
         hvd.init()
     torch.testing.assert_close(bn.train()(x), plain.train()(x))
+
+
+def test_sparse_allreduce_warns_nothing():
+    """A sparse gradient's reduction builds its result with ``torch.sparse_coo_tensor``, which (torch >= 2.x) warns
+    once per process that invariant checks are implicitly disabled, on every rank of a job training an
+    ``nn.Embedding(sparse=True)``: a plain torch run of the same model warns nothing.  A fresh process, since
+    torch warns only once."""
+    import subprocess
+    import sys
+
+    code = ("import torch, horovod.torch as hvd\n"
+            "hvd.init()\n"
+            "t = torch.sparse_coo_tensor(torch.tensor([[1, 3]]), torch.ones(2, 4), (5, 4), check_invariants=True)\n"
+            "out = hvd.sparse_allreduce_async(t, name='s', op=hvd.Average)()\n"
+            "assert torch.equal(out.to_dense(), t.to_dense()), out\n")
+    run = subprocess.run([sys.executable, "-W", "error::UserWarning", "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "Sparse invariant checks" not in run.stderr

@@ -537,6 +537,26 @@ def test_broadcast_variables_and_objects():
         hvd.broadcast_global_variables(0)
 
 
+def test_broadcast_variables_in_tf_function_is_one_collective():
+    """``broadcast_variables`` of a model's and optimizer's variables in a traced first step (upstream's
+    tensorflow2 examples) is one graph collective, not one per variable: each collective's ops took ~20 ms to
+    build, so a 25-layer model's first step traced 4.6x longer than without Horovod.  Every variable still gets
+    the root's value, whatever its dtype."""
+    r = hvd.rank()
+    vs = [tf.Variable(np.full(k + 1, r + k, np.float32)) for k in range(8)] + [tf.Variable(r, dtype=tf.int64)]
+
+    @tf.function
+    def step():
+        hvd.broadcast_variables(vs, root_rank=0)
+
+    step()
+    assert [v.numpy().tolist() for v in vs[:8]] == [[float(k)] * (k + 1) for k in range(8)]
+    assert int(vs[8].numpy()) == 0
+    graph = step.get_concrete_function().graph
+    submits = [op for op in graph.get_operations() if op.type in ("PyFunc", "EagerPyFunc") and "submit" in op.name]
+    assert len(submits) == 1, [op.name for op in submits]
+
+
 def test_join_returns_last_rank():
     last = hvd.join()
     assert 0 <= int(last) < hvd.size()

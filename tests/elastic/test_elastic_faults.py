@@ -224,3 +224,33 @@ def test_a_job_never_starts_below_min_np(tmp_path):
                          capture_output=True, text=True, timeout=60, cwd=str(tmp_path))
     assert out.returncode != 0 and "started" not in out.stdout, out.stdout + out.stderr
     assert "Timed out waiting for 2 slots to start (found 1; --elastic-timeout 2 s)." in out.stderr
+
+
+def test_every_host_removed_interrupts_the_job(elastic_job):
+    """Discovery printing no host at all was ignored: the job went on to finish (exit 0) on hosts that were
+    gone.  Every host removed is a removal like any other (upstream: an empty assignment, rank 0 notified): the
+    workers leave at their next commit and the driver waits --elastic-timeout for --min-np slots."""
+    job = elastic_job(TWO_HOSTS, [*ARGS, "--elastic-timeout", "3"], env={"TEST_HOLD_UNTIL_SIZE": "3"})
+    job.wait_steps(3, size=2)
+    job.set_hosts([])
+    assert job.wait() != 0, job.output()
+    log = job.log_text()
+    assert "hosts changed (removed)" in log, job.output()
+    assert "Timed out waiting for 1 slots to continue (found 0; --elastic-timeout 3 s)." in log, job.output()
+    job.assert_no_leftovers()
+
+
+def test_every_host_removed_and_back_in_time(elastic_job):
+    """Hosts back within --elastic-timeout after discovery printed none: the job resumes on them, exactly."""
+    job = elastic_job(TWO_HOSTS, [*ARGS, "--elastic-timeout", "60"])
+    job.wait_steps(3, size=2)
+    job.set_hosts([])
+    deadline = time.monotonic() + 30
+    while "waiting for its workers to leave" not in job.log_text():
+        assert time.monotonic() < deadline and job.proc.poll() is None, job.output()
+        time.sleep(0.05)
+    time.sleep(1)
+    job.set_hosts(TWO_HOSTS)
+    assert job.wait() == 0, job.output()
+    job.assert_exact()
+    job.assert_no_leftovers()

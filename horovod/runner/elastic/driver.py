@@ -369,7 +369,7 @@ class ElasticDriver:
 
     def _maybe_notify(self) -> None:
         new = _plan(self.hosts.usable_hosts(), self.max_np)
-        if new.same_as(self.plan) or not new.slots:
+        if new.same_as(self.plan):  # no host left is a removal too: the reset then waits for --min-np slots
             return
         flags = 0
         if set(self.plan.slots) - set(new.slots):

@@ -292,11 +292,19 @@ def run_fn(func: Callable[..., Any], reset: Callable[[], None]) -> Callable[...,
                     logger.info("elastic: hosts changed, re-initialising")
                     skip_sync = e.skip_sync
                 reset()
+                if skip_sync and _newcomers():
+                    skip_sync = False  # hosts were also added while the removal was handled
                 state.on_reset()
         finally:
             manager.remove_listener(state)
 
     return wrapper
+
+
+def _newcomers() -> bool:
+    from horovod.common import elastic_init
+
+    return elastic_init.newcomers()
 
 
 def _first_line(error: BaseException) -> str:

@@ -4,8 +4,9 @@ The elastic driver (``horovod.runner.elastic.driver``) numbers its rank assignme
 publishes them in the rendezvous store (docs/elastic.md has the whole protocol):
 
 =====================================  ===========================================================
-``elastic/generation``                 ``"<g> <hosts_ts>"``: the current generation, and the newest
-                                       host-update notice its assignment already reflects
+``elastic/generation``                 ``"<g> <hosts_ts> <fresh>"``: the current generation, the newest
+                                       host-update notice its assignment already reflects, and 1 if
+                                       it started a worker (one that has none of the job's state)
 ``elastic/assign.<g>/<slot>``          ``"rank,size,local_rank,local_size,cross_rank,cross_size"``
                                        (rank ``-1``: the slot is not part of generation g)
 ``elastic/reset.<g>``                  present once the driver has decided that generation g is over
@@ -42,6 +43,7 @@ _POLL = 0.1
 
 _last_generation: int | None = None
 _hosts_baseline: float = 0.0
+_newcomers: bool = False
 
 
 class _GenerationEnded(Exception):
@@ -70,12 +72,20 @@ def hosts_baseline() -> float:
     return _hosts_baseline
 
 
+def newcomers() -> bool:
+    """Whether the world this worker joined in its last ``init()`` may hold a worker without the job's
+    state: the driver started one for that generation, or this worker skipped a generation (whose mesh
+    failed), in which a worker may have been started that never synchronised.  A reset after a removal
+    must then ``sync()`` all the same (the new worker does, on its first call)."""
+    return _newcomers
+
+
 def current_generation() -> int | None:
     """The generation this process last joined (None before the first elastic ``init``)."""
     return _last_generation
 
 
-def _read_generation(store: Any) -> tuple[int, float] | None:
+def _read_generation(store: Any) -> tuple[int, float, bool] | None:
     from horovod.transport.store import StoreError
 
     try:
@@ -84,11 +94,11 @@ def _read_generation(store: Any) -> tuple[int, float] | None:
         if str(e).startswith("timed out waiting"):
             return None
         raise
-    g, _, ts = text.partition(" ")
-    return int(g), float(ts or 0)
+    g, ts, fresh = (text.split() + ["0", "0"])[:3]
+    return int(g), float(ts), fresh == "1"
 
 
-def _wait_generation(store: Any, after: int | None, deadline: float) -> tuple[int, float]:
+def _wait_generation(store: Any, after: int | None, deadline: float) -> tuple[int, float, bool]:
     while True:
         found = _read_generation(store)
         if found is not None and (after is None or found[0] > after):
@@ -169,7 +179,7 @@ def rendezvous() -> Any:
         RuntimeError: this worker's slot was removed from the job (upstream's text), or no assignment came
             within ``HOROVOD_ELASTIC_TIMEOUT`` seconds.
     """
-    global _last_generation, _hosts_baseline
+    global _last_generation, _hosts_baseline, _newcomers
     from horovod.transport import build_mesh
     from horovod.transport.store import StoreClient
 
@@ -187,11 +197,12 @@ def rendezvous() -> Any:
     mesh_timeout = start_timeout()
     slot = slot_name()
     host, _, local_rank = slot.rpartition(":")
+    left = _last_generation
     if _last_generation is not None:
         _leave(store, _last_generation, "re-initialising")
     while True:
         previous = _last_generation
-        generation, hosts_ts = _wait_generation(store, _last_generation, deadline)
+        generation, hosts_ts, fresh = _wait_generation(store, _last_generation, deadline)
         _last_generation = generation
         if previous is not None and _removed_between(store, slot, previous, generation):
             raise RuntimeError(REMOVED_MESSAGE.format(host=host, local_rank=local_rank))
@@ -208,6 +219,7 @@ def rendezvous() -> Any:
             "HOROVOD_HOSTNAME": host,
         })
         logger.info("elastic: %s is rank %d of %d in generation %d", slot, rank, size, generation)
+        _newcomers = fresh or left is None or generation != left + 1
         if size == 1:
             _hosts_baseline = hosts_ts
             return None

@@ -254,3 +254,25 @@ def test_every_host_removed_and_back_in_time(elastic_job):
     assert job.wait() == 0, job.output()
     job.assert_exact()
     job.assert_no_leftovers()
+
+
+def test_host_added_while_a_removal_is_handled(elastic_job):
+    """A host removed (rank 0 told: removed only, so the survivors skip sync()) and another added before the
+    survivors had left the generation: the next one started a fresh worker, which sync()ed alone while the
+    survivors went on training -- mismatched collectives, a hang (the stall shutdown is off by default).  The
+    generation now says it started a worker, and the survivors sync() with it."""
+    job = elastic_job(TWO_HOSTS, ["-np", "2", "--min-np", "1", "--max-np", "3"], sleep=0.2,
+                      env={"TEST_SLOW_RESET": "localhost:0:3", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "0"})
+    job.wait_steps(3, size=2)
+    job.set_hosts(["localhost:1"])
+    deadline = time.monotonic() + 30
+    while "generation 0 is over" not in job.log_text():
+        assert time.monotonic() < deadline and job.proc.poll() is None, job.output()
+        time.sleep(0.05)
+    job.set_hosts(["localhost:2"])  # while localhost:0 (rank 0) is still leaving generation 0
+    assert job.wait(timeout=60) == 0, job.output()
+    log = job.log_text()
+    assert "generation 1: 2 workers on localhost" in log, job.output()
+    assert "Missing ranks" not in log, job.output()
+    job.assert_exact()
+    job.assert_no_leftovers()

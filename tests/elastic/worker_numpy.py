@@ -12,6 +12,8 @@ TEST_SLOW_REMOVED_EXIT=<seconds> (a worker told it was removed prints its traceb
 ``removed_exiting`` and takes that long to exit, as a large process does),
 TEST_HOLD_UNTIL_SIZE=<n> (steps take 0.5 s while the world is smaller than n: a newcomer joins mid-job however
 slowly a loaded host starts it),
+TEST_SLOW_RESET=<slot>:<seconds> (its first re-initialisation waits that long before leaving the generation: the
+driver sees hosts change meanwhile),
 TEST_DIE_IN_MESH=<slot> (SIGKILL itself in its first mesh formation, once: as it is about to connect to its
 peer, which then waits for a connection that never comes, or as its peer's connection arrives, which then
 retries a listener that is gone).
@@ -39,6 +41,7 @@ DIE_IN_MESH = os.environ.get("TEST_DIE_IN_MESH", "")
 SLOT = os.environ.get("HOROVOD_ELASTIC_SLOT", "?")
 SLOW_REMOVED_EXIT = float(os.environ.get("TEST_SLOW_REMOVED_EXIT", "0"))
 HOLD_UNTIL_SIZE = int(os.environ.get("TEST_HOLD_UNTIL_SIZE", "0"))
+SLOW_RESET = os.environ.get("TEST_SLOW_RESET", "")
 
 
 def g(indices):
@@ -75,6 +78,19 @@ if SLOW_REMOVED_EXIT:
             time.sleep(SLOW_REMOVED_EXIT)
 
     sys.excepthook = slow_exit
+
+if SLOW_RESET and SLOW_RESET.rsplit(":", 1)[0] == SLOT:
+    from horovod.common import basics
+
+    real_shutdown, slowed = basics.shutdown, []
+
+    def slow_shutdown():
+        if not slowed:
+            slowed.append(True)
+            time.sleep(float(SLOW_RESET.rsplit(":", 1)[1]))
+        real_shutdown()
+
+    basics.shutdown = slow_shutdown  # elastic.run's reset: shutdown(); init()
 
 hvd.init()
 sampler = ElasticSampler(N, shuffle=True, seed=3, batch_size=BS)

@@ -408,7 +408,11 @@ class ElasticDriver:
                 w.removed = True
         self._hosts_ts = self._notice_ts
         self.plan = new
-        self._put("elastic/generation", f"{g} {self._hosts_ts!r}")
+        # Slots that get a fresh worker: it has none of the job's state, so the others must sync() even if they
+        # left for a removal only (a host may have been added while that removal was being handled).
+        starting = [slot for slot in new.slots if (w := self.workers.get(slot)) is None or w.removed
+                    or w.exited is not None or w.proc.poll() is not None]
+        self._put("elastic/generation", f"{g} {self._hosts_ts!r} {int(bool(starting))}")
         size = len(new.slots)
         logger.info("elastic: generation %d: %d worker%s on %s", g, size, "" if size == 1 else "s",
                     ",".join(sorted({s.hostname for s in new.slots.values()})))
@@ -416,7 +420,7 @@ class ElasticDriver:
             if slot not in new.slots and w.exited is None:
                 # Removed or blacklisted: it reads rank -1 and exits; make sure it does.
                 threading.Thread(target=self._reap_later, args=(w,), daemon=True).start()
-        for slot, s in new.slots.items():
+        for slot in starting:
             w = self.workers.get(slot)
             if w is not None and w.removed and w.exited is None:
                 # Its host came back before it had exited: it is exiting with upstream's "has been removed"
@@ -424,8 +428,7 @@ class ElasticDriver:
                 # is no part of (reused, it failed the generation and its host was blacklisted).  Its reaper,
                 # started when it was removed, still ends it after the grace period.
                 self.retired.append(w)
-            if w is None or w.removed or w.exited is not None or w.proc.poll() is not None:
-                self._start_worker(slot, s)
+            self._start_worker(slot, new.slots[slot])
 
     def _reap_later(self, worker: _Worker) -> None:
         deadline = time.monotonic() + self.grace

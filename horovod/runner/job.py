@@ -166,7 +166,8 @@ class JobSpec:
             raise ValueError("-np/--num-proc or --min-np is required in elastic mode.")
         min_np, max_np = self.elastic_bounds()[1:]
         if max_np is not None and max_np < min_np:
-            raise ValueError(f"--max-np ({max_np}) must not be less than --min-np ({min_np}).")
+            floor = f"--min-np ({min_np})" if self.min_num_proc is not None else f"-np ({min_np}, the default --min-np)"
+            raise ValueError(f"--max-np ({max_np}) must not be less than {floor}.")
 
     def elastic_bounds(self) -> tuple[int, int, int | None]:
         """``(np to start with, min np, max np or None)`` of an elastic job (upstream: min defaults to np)."""

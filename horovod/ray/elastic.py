@@ -15,6 +15,14 @@ protocol of docs/elastic.md), with Ray in place of processes and ssh:
   Ray (docs/ray.md, "Trust boundary").
 
 ``run`` returns the results of the workers of the last generation, in rank order.
+
+``run(..., callbacks=[...])`` (upstream's :mod:`horovod.ray.ray_logger`): a ``ray.util.queue.Queue`` actor
+(0 CPUs, on the driver's node) is given to every worker actor before its function starts; what a worker
+passes to ``ray_logger.log`` goes into it, and a driver thread (:class:`_CallbackPump`) calls every callback
+with each item in the order the queue got them, while the job runs.  When the driver is done, a sentinel put
+behind the workers' items ends that thread after the last item, so ``run`` returns only once every logged
+item was delivered.  A callback that raises stops the job (the driver's stop event: every worker is killed)
+and ``run`` raises ``RuntimeError`` from the callback's exception; the queue actor is killed in every case.
 """
 
 from __future__ import annotations
@@ -22,8 +30,10 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import reprlib
 import threading
 import time
+import uuid
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -32,6 +42,7 @@ import ray
 
 from horovod.base.config import DEFAULT_START_TIMEOUT
 from horovod.ray.worker import BaseHorovodWorker
+from horovod.runner import spawn
 from horovod.runner.elastic.discovery import HostDiscovery
 from horovod.runner.elastic.driver import ElasticDriver, _Worker
 from horovod.runner.hosts import SlotInfo
@@ -145,13 +156,89 @@ def _call_and_report(fn: Callable[[], Any]) -> Callable[[Any], tuple[int, Any]]:
     return call
 
 
+class _CallbackPump:
+    """The driver's side of :mod:`horovod.ray.ray_logger`: the queue the workers log into, and a thread that
+    calls every callback with each item, in order, while the job runs (see the module docstring).
+
+    The thread blocks in the queue actor's ``get`` (no polling) and ends at :meth:`finish`'s sentinel, or at
+    the first error: a callback that raised, or the queue actor lost.  Then ``error`` holds what happened and
+    ``on_error`` (the driver's stop event) is called, so the job stops instead of running on unobserved.
+    """
+
+    def __init__(self, callbacks: list[Callable[[Any], Any]], on_error: Callable[[], None]) -> None:
+        from ray.util.queue import Queue
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        self.callbacks = list(callbacks)
+        self.on_error = on_error
+        self.error: BaseException | None = None
+        self.failed_on: tuple[Callable[[Any], Any], Any] | None = None  # (callback, item) that raised
+        self.delivered = 0
+        self._end = f"horovod.ray.ray_logger end {uuid.uuid4().hex}"
+        node = ray.get_runtime_context().get_node_id()
+        self.queue = Queue(actor_options={
+            "num_cpus": 0, "scheduling_strategy": NodeAffinitySchedulingStrategy(node_id=node, soft=True)})
+        self._thread = threading.Thread(target=self._loop, daemon=True, name="horovod-ray-callbacks")
+        self._thread.start()
+
+    def _loop(self) -> None:
+        try:
+            while True:
+                item = self.queue.get()
+                if isinstance(item, str) and item == self._end:
+                    return
+                for callback in self.callbacks:
+                    try:
+                        callback(item)
+                    except BaseException:
+                        self.failed_on = (callback, item)
+                        raise
+                self.delivered += 1
+        except BaseException as e:  # noqa: BLE001 - handed to run(), which raises it
+            self.error = e
+            logger.debug("horovod.ray callbacks stopped after %d items: %r", self.delivered, e)
+            self.on_error()
+
+    def finish(self) -> None:
+        """Every worker is gone: deliver what is still queued, then end the thread (call before :meth:`close`)."""
+        if not self._thread.is_alive():
+            return
+        try:
+            self.queue.put(self._end)  # behind every item a worker logged: their put()s have returned
+        except Exception as e:  # noqa: BLE001 - the queue actor is gone: its get() fails the thread too
+            self._thread.join(timeout=5.0)
+            self.error = self.error or e
+            return
+        self._thread.join()
+
+    def close(self) -> None:
+        """Kill the queue actor (a thread still waiting on it ends with the actor's error)."""
+        try:
+            self.queue.shutdown(force=True)
+        except Exception as e:  # noqa: BLE001 - already gone
+            logger.debug("ray_logger queue shutdown: %s", e)
+        self._thread.join(timeout=5.0)
+
+    def describe(self) -> str:
+        """Why the callbacks stopped, for ``run``'s error."""
+        if self.failed_on is None:
+            return (f"horovod.ray: the driver could not read what the workers logged (ray_logger queue): "
+                    f"{type(self.error).__name__}: {self.error}; the job was stopped")
+        callback, item = self.failed_on
+        name = getattr(callback, "__qualname__", None) or type(callback).__qualname__
+        return (f"horovod.ray: callback {name} raised {type(self.error).__name__}: {self.error} on the item "
+                f"{reprlib.repr(item)} (after {self.delivered} items delivered); the job was stopped and its "
+                "workers killed")
+
+
 class _RayElasticDriver(ElasticDriver):
     """horovodrun's elastic driver with Ray actors for workers (see the module docstring)."""
 
     def __init__(self, fn: Callable[[], Any], *, cpus_per_worker: int, gpus_per_worker: int,
-                 env_vars: dict[str, str], **kwargs: Any) -> None:
+                 env_vars: dict[str, str], log_queue: Any = None, **kwargs: Any) -> None:
         super().__init__(command=[], base_env={}, knobs={k: str(v) for k, v in env_vars.items()}, **kwargs)
         self.fn = fn
+        self.log_queue = log_queue  # ray_logger's queue (None: a job without callbacks)
         self.cpus_per_worker = cpus_per_worker
         self.gpus_per_worker = gpus_per_worker
         self.actor_cls = ray.remote(BaseHorovodWorker)
@@ -173,7 +260,8 @@ class _RayElasticDriver(ElasticDriver):
             num_cpus=self.cpus_per_worker, num_gpus=self.gpus_per_worker,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=s.hostname, soft=False),
         ).remote(world_rank=s.rank, world_size=s.size)
-        actor.update_env_vars.remote(env)  # ordered before the call below (one caller, one actor)
+        actor.update_env_vars.remote(env)  # ordered before the calls below (one caller, one actor)
+        actor.set_queue.remote(self.log_queue)
         proc = _ActorProc(actor, actor.run_guarded.remote(_call_and_report(self.fn)), slot)
         label = s.rank if self.generation == 0 else self._next_label
         self._next_label = max(self._next_label, label + 1, len(self.plan.slots))
@@ -229,13 +317,35 @@ class _ElasticJob:
         self.gpus_per_worker = gpus_per_worker
         self.env_vars = dict(env_vars)
 
-    def run(self, fn: Callable[[], Any]) -> list[Any]:
+    def run(self, fn: Callable[[], Any], callbacks: list[Callable[[Any], Any]] | None = None) -> list[Any]:
+        """Run the job; with ``callbacks``, every item a worker logs (``ray_logger.log``) is passed to each."""
+        callbacks = list(callbacks or [])
+        for i, callback in enumerate(callbacks):
+            if not callable(callback):
+                raise TypeError(f"callbacks[{i}] is not callable: {callback!r} (pass functions, or objects with "
+                                "__call__, that take the logged dict)")
+        stop = threading.Event()
+        pump = _CallbackPump(callbacks, on_error=stop.set) if callbacks else None
         driver = _RayElasticDriver(fn, cpus_per_worker=self.cpus_per_worker, gpus_per_worker=self.gpus_per_worker,
-                                   env_vars=self.env_vars, **self.kwargs)
+                                   env_vars=self.env_vars, log_queue=pump.queue if pump else None,
+                                   stop_event=stop, **self.kwargs)
+        failure: Exception | None = None
         try:
-            driver.run()
-        except Exception as e:
-            raise RuntimeError(_failure_text(driver, e)) from e
+            try:
+                driver.run()  # kills every worker actor before it returns or raises
+            except Exception as e:
+                failure = e
+            if pump is not None:
+                pump.finish()
+        finally:
+            if pump is not None:
+                pump.close()
+        if pump is not None and pump.error is not None:
+            if failure is None or isinstance(failure, spawn.Interrupted):  # the callback's error stopped the job
+                raise RuntimeError(pump.describe()) from pump.error
+            failure.add_note(f"then, delivering the items logged before: {pump.describe()}")
+        if failure is not None:
+            raise RuntimeError(_failure_text(driver, failure)) from failure
         return driver.results()
 
 
@@ -311,18 +421,22 @@ class ElasticRayExecutor:
             cpus_per_worker=self.cpus_per_slot, gpus_per_worker=self.gpus_per_slot * int(self.use_gpu),
             nics=s.nics, env_vars=self.env_vars)
 
-    def run(self, worker_fn: Callable[[], Any], callbacks: list | None = None) -> list[Any]:
+    def run(self, worker_fn: Callable[[], Any], callbacks: list[Callable[[Any], Any]] | None = None) -> list[Any]:
         """Run ``worker_fn()`` elastically until a worker of the final generation returns; their results.
+
+        ``callbacks``: each is called on the driver with every dict any worker passes to
+        :func:`horovod.ray.ray_logger.log`, in order, while the job runs; all are delivered before ``run``
+        returns.
 
         Raises:
             RuntimeError: the job failed (reset limit, too few slots for ``elastic_timeout``, no worker with
-                state left); the text names the first failed worker and its error.
+                state left); the text names the first failed worker and its error.  Or a callback raised:
+                the job was stopped, the text names the callback and the item (``__cause__``: its error).
+            TypeError: a callback is not callable.
         """
-        if callbacks:
-            raise NotImplementedError("callbacks (horovod.ray.ray_logger) are not supported")
         if self._job is None:
             raise RuntimeError("call ElasticRayExecutor.start() before run()")
-        return self._job.run(worker_fn)
+        return self._job.run(worker_fn, callbacks)
 
 
 def _seconds(value: Any) -> float:

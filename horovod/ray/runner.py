@@ -314,16 +314,16 @@ class RayExecutor:
         """``fn(*args, **kwargs)`` on every rank; the results in rank order.
 
         Elastic (``min_workers``): runs the job until a worker of the final generation returns; the results of
-        that generation's workers in rank order (``fn`` should use ``hvd.elastic.run``).  ``callbacks``: ignored
-        by a static job, as upstream's; not supported by an elastic one (``horovod.ray.ray_logger``).
+        that generation's workers in rank order (``fn`` should use ``hvd.elastic.run``).  ``callbacks``: each
+        is called on the driver with every dict a worker passes to :func:`horovod.ray.ray_logger.log`, in
+        order, while the job runs, all delivered before ``run`` returns; a callback that raises stops the job
+        (``RuntimeError`` from its error).  A static job ignores ``callbacks``, as upstream's.
         """
         if self._elastic_cls_or_none() is not None:
-            if callbacks:
-                raise NotImplementedError("callbacks (horovod.ray.ray_logger) are not supported")
             if self._elastic is None:
                 raise RuntimeError("horovod.ray: call RayExecutor.start() before running functions")
             args, kwargs = list(args or []), dict(kwargs or {})
-            return self._elastic.run(lambda: fn(*args, **kwargs))
+            return self._elastic.run(lambda: fn(*args, **kwargs), callbacks)
         return self._collect(self.run_remote(fn, args, kwargs))
 
     def run_remote(self, fn: Callable[..., Any], args: list | None = None, kwargs: dict | None = None) -> list[Any]:

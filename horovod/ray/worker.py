@@ -72,8 +72,12 @@ class BaseHorovodWorker:
         return func(self.executable)
 
     def set_queue(self, queue: Any) -> None:
-        """Upstream's hook for elastic callbacks; static jobs have none."""
+        """Where ``horovod.ray.ray_logger.log`` in this actor sends its dicts: the driver's callback queue of
+        an elastic job (``None``: a job without callbacks, the dicts are dropped).  Static jobs never call it."""
+        from horovod.ray import ray_logger
+
         self._queue = queue
+        ray_logger.configure(queue)
 
     # ------------------------------------------------------------------ the driver's helpers
     def pid(self) -> int:

@@ -6,12 +6,17 @@ world sizes were.  Faults: a worker process killed (``SIGKILL``) mid-training ->
 the job finishes on the other node; a node that discovery reports later -> the job grows; a function that
 raises everywhere -> the driver raises naming the worker and the error.
 
+Callbacks (``horovod.ray.ray_logger``): every dict any rank logs reaches every callback, in order, while the
+job runs (a worker waits until the driver has seen its first item), none lost at the end; through both
+front ends, across a killed worker; a callback that raises stops the job and leaves no actor behind.
+
 Skipped when ray is not installed, unless ``HOROVOD_TEST_REQUIRE_RAY=1`` (CI).
 """
 
 from __future__ import annotations
 
 import glob
+import json
 import os
 import signal
 import sys
@@ -67,6 +72,8 @@ def _train(n, bs, epochs, sleep, out):
         x = np.asarray(indices, dtype=np.float64)
         return np.stack([np.ones_like(x), x + 1, np.mod(x * 7, 5)], axis=1).sum(axis=0) if len(x) else np.zeros(3)
 
+    from horovod.ray import ray_logger
+
     hvd.init()
     sampler = ElasticSampler(n, shuffle=True, seed=3, batch_size=bs)
     state = elastic.ObjectState(hvd.broadcast_object, hvd.rank, epoch=0, steps=0, w=np.zeros(3),
@@ -76,6 +83,7 @@ def _train(n, bs, epochs, sleep, out):
     def train(state):
         if not state.sizes or state.sizes[-1] != hvd.size():
             state.sizes.append(hvd.size())
+        ray_logger.log({"event": "train", "rank": hvd.rank(), "size": hvd.size()})  # a no-op without callbacks
         while state.epoch < epochs:
             state.sampler.set_epoch(state.epoch)
             for step, batch in enumerate(state.sampler):
@@ -92,6 +100,7 @@ def _train(n, bs, epochs, sleep, out):
             state.commit()
 
     train(state)
+    ray_logger.log({"event": "done", "rank": hvd.rank(), "size": hvd.size(), "w": state.w.tolist()})
     return {"w": state.w.tolist(), "counts": state.counts.tolist(), "sizes": state.sizes, "rank": hvd.rank(),
             "size": hvd.size()}
 
@@ -125,10 +134,17 @@ def test_killed_worker_job_continues_on_the_other_node(cluster, tmp_path):
         killed.append(pid)
 
     threading.Thread(target=killer, daemon=True).start()
-    results = ex.run(_train, kwargs=dict(n=160, bs=2, epochs=3, sleep=0.05, out=str(tmp_path)))
+    logged = []
+    results = ex.run(_train, kwargs=dict(n=160, bs=2, epochs=3, sleep=0.05, out=str(tmp_path)),
+                     callbacks=[logged.append])
     assert killed
     _check_exact(results, 160, 3, 2)  # 4 workers on 2 nodes, then the 2 on the node that is left
     assert results[0]["sizes"] == [4, 2]
+    # the callback saw both generations, and exactly the two final workers' last items
+    trained = {(e["rank"], e["size"]) for e in logged if e["event"] == "train"}
+    assert {(0, 4), (0, 2), (1, 2)} <= trained, logged
+    done = sorted((e["rank"], e["size"], e["w"]) for e in logged if e["event"] == "done")
+    assert done == [(r, 2, _expected_w(160, 3)) for r in range(2)], logged
 
 
 class _LateNode(RayHostDiscovery):
@@ -170,6 +186,158 @@ def test_failing_function_is_named(cluster):
     with pytest.raises(RuntimeError, match=r"horovod.ray elastic job failed: .*first failure: rank \d \(node "
                                            r"\w+, local slot \d\): ValueError: bad hyperparameters"):
         ex.run(_always_fails)
+
+
+# ------------------------------------------------------------------------------------------ callbacks
+def _log_steps(steps, out):
+    """Each rank logs one item per step (an allreduced value) and a last one right before it returns."""
+    import horovod.numpy as hvd
+    from horovod.ray import ray_logger
+
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    for s in range(steps):
+        value = hvd.allreduce(np.array([(r + 1) * (s + 1)], np.float64), op=hvd.Sum)[0]
+        ray_logger.log({"rank": r, "size": n, "step": s, "value": float(value)})
+    # the driver calls the callbacks while the job runs: it marks having seen this rank's first item
+    deadline = time.monotonic() + 20
+    while not os.path.exists(os.path.join(out, f"seen.{r}")) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    ray_logger.log({"rank": r, "last": True, "seen_while_running": os.path.exists(os.path.join(out, f"seen.{r}"))})
+    return r
+
+
+class _Journal:
+    """A callback object (upstream's tests use one): keeps every item, marks each rank's first one in ``out``."""
+
+    def __init__(self, out):
+        self.out = out
+        self.items = []
+
+    def __call__(self, item):
+        self.items.append(item)
+        if item.get("step") == 0:
+            open(os.path.join(self.out, f"seen.{item['rank']}"), "w").close()
+
+
+def _expected_items(size, steps):
+    """Computed independently of the job: sum over ranks of (rank+1)*(step+1)."""
+    total = size * (size + 1) // 2
+    items = [{"rank": r, "size": size, "step": s, "value": float(total * (s + 1))}
+             for r in range(size) for s in range(steps)]
+    return items + [{"rank": r, "last": True, "seen_while_running": True} for r in range(size)]
+
+
+def _canonical(items):
+    return sorted(json.dumps(i, sort_keys=True) for i in items)  # a multiset: a duplicate fails too
+
+
+@pytest.mark.parametrize("front_end", ["RayExecutor", "ElasticRayExecutor"])
+def test_callbacks_get_every_item_from_every_rank_in_order(cluster, tmp_path, front_end):
+    steps = 6
+    journal, calls = _Journal(str(tmp_path)), []
+    callbacks = [journal, calls.append]
+    if front_end == "RayExecutor":
+        ex = RayExecutor(RayExecutor.create_settings(timeout_s=30), min_workers=2, max_workers=2,
+                         cpus_per_worker=1, elastic_timeout=30)
+        ex.start()
+        results = ex.run(_log_steps, kwargs=dict(steps=steps, out=str(tmp_path)), callbacks=callbacks)
+    else:
+        settings = ElasticRayExecutor.create_settings(min_num_proc=2, max_num_proc=2, elastic_timeout=30,
+                                                      timeout_s=30)
+        ex = ElasticRayExecutor(settings, cpus_per_slot=1)
+        ex.start()
+        results = ex.run(lambda: _log_steps(steps, str(tmp_path)), callbacks=callbacks)
+    assert results == [0, 1]
+    assert _canonical(journal.items) == _canonical(_expected_items(2, steps))
+    assert calls == journal.items  # every callback, every item, the same order
+    for r in range(2):  # one rank's items keep their order, its last one last
+        mine = [i for i in journal.items if i["rank"] == r]
+        assert [i.get("step") for i in mine] == [*range(steps), None]
+
+
+def _log_forever(out):
+    from horovod.ray import ray_logger
+
+    open(os.path.join(out, f"pid.{os.getpid()}"), "w").close()
+    for s in range(1200):  # 60 s unless the job is stopped
+        ray_logger.log({"pid": os.getpid(), "step": s})
+        time.sleep(0.05)
+    return "not stopped"
+
+
+def _alive_actors():
+    from ray._private import state
+
+    return {k for k, v in state.actors().items() if v["State"] != "DEAD"}
+
+
+def test_callback_that_raises_stops_the_job_and_leaves_nothing(cluster, tmp_path):
+    before = _alive_actors()
+    seen = []
+
+    def picky(item):
+        seen.append(item)
+        if item["step"] == 3:
+            raise ValueError("no step 3 here")
+
+    ex = RayExecutor(RayExecutor.create_settings(timeout_s=30), min_workers=2, max_workers=2, cpus_per_worker=1,
+                     elastic_timeout=30)
+    ex.start()
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"horovod.ray: callback .*picky raised ValueError: no step 3 here on "
+                                           r"the item \{.*'step': 3\} .*the job was stopped") as info:
+        ex.run(_log_forever, kwargs=dict(out=str(tmp_path)), callbacks=[picky])
+    assert time.monotonic() - started < 30  # stopped, not run to its end
+    assert isinstance(info.value.__cause__, ValueError)
+    assert seen[-1]["step"] == 3  # no callback after the one that raised
+    pids = [int(p.rsplit(".", 1)[1]) for p in glob.glob(str(tmp_path / "pid.*"))]
+    assert len(pids) == 2
+    deadline = time.monotonic() + 20
+    while (_alive_actors() - before or any(_running(p) for p in pids)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _alive_actors() - before  # the workers and the queue actor
+    assert not [p for p in pids if _running(p)]
+
+
+def _running(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_callbacks_must_be_callable(cluster):
+    ex = RayExecutor(RayExecutor.create_settings(timeout_s=30), min_workers=2, cpus_per_worker=1)
+    ex.start()
+    with pytest.raises(TypeError, match=r"callbacks\[1\] is not callable: 'oops'"):
+        ex.run(_always_fails, callbacks=[print, "oops"])
+
+
+def test_log_outside_a_job(cluster, monkeypatch):
+    from ray.util.queue import Queue
+
+    from horovod.ray import ray_logger
+
+    monkeypatch.setattr(ray_logger, "_queue", ray_logger._NOT_CONFIGURED)
+    monkeypatch.setattr(ray_logger, "_warned", False)
+    with pytest.warns(UserWarning, match="ray_logger.log` called but logging is not configured"):
+        ray_logger.log({"a": 1})
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ray_logger.log({"a": 2})  # once per process
+        ray_logger.configure(None)  # an elastic job without callbacks: dropped silently
+        ray_logger.log({"a": 3})
+    q = Queue(actor_options={"num_cpus": 0})
+    try:
+        ray_logger.configure(q)
+        ray_logger.log({"a": 4})
+        assert q.get(timeout=10) == {"a": 4}
+    finally:
+        q.shutdown(force=True)
 
 
 def test_discovery_counts_slots(cluster):

@@ -343,7 +343,8 @@ class _ElasticJob:
         if pump is not None and pump.error is not None:
             if failure is None or isinstance(failure, spawn.Interrupted):  # the callback's error stopped the job
                 raise RuntimeError(pump.describe()) from pump.error
-            failure.add_note(f"then, delivering the items logged before: {pump.describe()}")
+            if hasattr(failure, "add_note"):  # Python >= 3.11
+                failure.add_note(f"then, delivering the items logged before: {pump.describe()}")
         if failure is not None:
             raise RuntimeError(_failure_text(driver, failure)) from failure
         return driver.results()

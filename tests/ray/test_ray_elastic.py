@@ -170,9 +170,15 @@ def test_legacy_elastic_executor_grows_when_a_node_appears(cluster, tmp_path):
     settings.discovery = _LateNode(delay=3.0)
     ex = ElasticRayExecutor(settings, cpus_per_slot=1, override_discovery=False)
     ex.start()
-    results = ex.run(lambda: _train(200, 2, 3, 0.05, str(tmp_path)))  # upstream calls worker_fn() bare
+    logged = []
+    results = ex.run(lambda: _train(200, 2, 3, 0.05, str(tmp_path)),  # upstream calls worker_fn() bare
+                     callbacks=[logged.append])
     _check_exact(results, 200, 3, 4)
     assert results[0]["sizes"] == [2, 4]
+    # the workers started for the new node log into the same queue
+    assert {(2, 4), (3, 4)} <= {(e["rank"], e["size"]) for e in logged if e["event"] == "train"}, logged
+    done = sorted((e["rank"], e["size"], e["w"]) for e in logged if e["event"] == "done")
+    assert done == [(r, 4, _expected_w(200, 3)) for r in range(4)], logged
 
 
 def _always_fails():
@@ -254,6 +260,15 @@ def test_callbacks_get_every_item_from_every_rank_in_order(cluster, tmp_path, fr
     for r in range(2):  # one rank's items keep their order, its last one last
         mine = [i for i in journal.items if i["rank"] == r]
         assert [i.get("step") for i in mine] == [*range(steps), None]
+
+
+def test_log_in_a_job_without_callbacks_is_a_no_op(cluster, tmp_path):
+    for r in range(2):
+        open(tmp_path / f"seen.{r}", "w").close()
+    ex = RayExecutor(RayExecutor.create_settings(timeout_s=30), min_workers=2, max_workers=2, cpus_per_worker=1,
+                     elastic_timeout=30)
+    ex.start()
+    assert ex.run(_log_steps, kwargs=dict(steps=2, out=str(tmp_path))) == [0, 1]
 
 
 def _log_forever(out):

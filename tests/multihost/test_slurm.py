@@ -1,0 +1,167 @@
+"""Real Slurm jobs on the one-node cluster of ``.ci/slurm_cluster.sh`` (Debian's slurm-wlm 22.05, munge,
+Debian's Open MPI 4.1 with PMIx 4.2): ``srun --mpi=pmix``, an ``sbatch`` script as users write it, and what
+a careless user does (``srun`` without ``--mpi``, ``horovodrun`` inside an allocation).
+
+The cluster is started here when Slurm is installed and we are root (the script is idempotent); otherwise
+the tests skip, unless ``HOROVOD_TEST_REQUIRE_SLURM=1`` (CI) makes that a failure.  Every job has a Slurm
+time limit and a timeout here (the job is cancelled by name when it runs out), so a broken cluster fails
+the test instead of hanging CI.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import uuid
+
+import numpy as np
+import pytest
+from conftest import REPO
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import slurm_worker  # noqa: E402
+
+SCRIPT = os.path.join(REPO, ".ci", "slurm_cluster.sh")
+WORKER = os.path.join("tests", "multihost", "slurm_worker.py")
+JOB_TIMEOUT = 60  # seconds, for this test's wait; Slurm's own limit is a minute too (-t 1)
+pytestmark = pytest.mark.timeout(180)
+
+
+def _skip_or_fail(reason: str) -> None:
+    if os.environ.get("HOROVOD_TEST_REQUIRE_SLURM") == "1":
+        pytest.fail(f"Slurm tests required but unavailable: {reason}")
+    pytest.skip(reason)
+
+
+@pytest.fixture(scope="module")
+def slurm() -> None:
+    """The CI cluster, up (started when installed and not running)."""
+    missing = [c for c in ("srun", "sbatch", "slurmctld", "slurmd") if shutil.which(c) is None]
+    if missing:
+        _skip_or_fail(f"Slurm is not installed ({', '.join(missing)} missing): .ci/slurm_cluster.sh up, as "
+                      "root, installs Debian's slurm-wlm and starts a one-node cluster")
+    if os.geteuid() != 0:
+        _skip_or_fail("the one-node Slurm cluster of .ci/slurm_cluster.sh needs root")
+    proc = subprocess.run(["bash", SCRIPT, "up"], capture_output=True, text=True, timeout=120)
+    if proc.returncode != 0:
+        _skip_or_fail(f"could not start the Slurm cluster: {proc.stderr.strip()[-800:]}")
+
+
+def _env() -> dict[str, str]:
+    """The test's environment without an outer launcher's variables; srun passes it to the tasks."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("HOROVOD_", "OMPI_", "PMI_", "PMIX_", "SLURM_", "SBATCH_", "SRUN_"))}
+    env["PYTHONPATH"] = os.pathsep.join([REPO, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    return env
+
+
+def _run(argv: list[str], name: str) -> subprocess.CompletedProcess:
+    """``argv`` (an srun/sbatch command naming its job ``name``); the job is cancelled if it runs out."""
+    try:
+        return subprocess.run(argv, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=JOB_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        subprocess.run(["scancel", "--name", name], capture_output=True, timeout=30)
+        pytest.fail(f"Slurm job {name} did not finish in {JOB_TIMEOUT} s: {' '.join(argv)}")
+
+
+def srun(*args: str) -> subprocess.CompletedProcess:
+    name = f"hvd-test-{uuid.uuid4().hex[:8]}"
+    return _run(["srun", "-J", name, "-t", "1", *args], name)
+
+
+def results(text: str) -> list[dict]:
+    """The workers' ``RESULT`` lines (also behind horovodrun's ``[rank]<stdout>:`` prefix), by rank."""
+    found = [json.loads(line.split("RESULT ", 1)[1]) for line in text.splitlines() if "RESULT {" in line]
+    return sorted(found, key=lambda r: r["rank"])
+
+
+def _ok(proc: subprocess.CompletedProcess) -> None:
+    assert proc.returncode == 0, f"rc={proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-3000:]}"
+
+
+def check_layout(res: list[dict], mpi: bool) -> None:
+    """Two ranks on this node; under srun Horovod's rank is Slurm's task id."""
+    assert [r["rank"] for r in res] == [0, 1], res
+    for r in res:
+        assert (r["size"], r["local_rank"], r["local_size"], r["cross_size"], r["mpi"]) == \
+            (2, r["rank"], 2, 1, mpi), r
+    assert len({r["slurm_job"] for r in res}) == 1 and res[0]["slurm_job"], res
+
+
+def check_numpy(res: list[dict]) -> None:
+    mine = [np.arange(5, dtype=np.float64) * (rank + 1) for rank in range(2)]
+    for r in res:
+        np.testing.assert_allclose(r["sum"], mine[0] + mine[1])
+        np.testing.assert_allclose(r["avg"], (mine[0] + mine[1]) / 2)
+        assert r["gather"] == [[0, 0], [1, 1], [1, 1]]
+        assert r["bcast"] == [11.0]
+
+
+def test_srun_pmix_numpy(slurm):
+    """docs/running.md's command: ``srun --mpi=pmix -n 2 python train.py``."""
+    proc = srun("-n", "2", "--mpi=pmix", sys.executable, WORKER, "numpy")
+    _ok(proc)
+    res = results(proc.stdout)
+    check_layout(res, mpi=True)
+    assert [r["slurm_procid"] for r in res] == ["0", "1"]
+    check_numpy(res)
+
+
+def test_srun_pmix_torch_distributed_optimizer(slurm):
+    proc = srun("-n", "2", "--mpi=pmix", sys.executable, WORKER, "torch")
+    _ok(proc)
+    res = results(proc.stdout)
+    check_layout(res, mpi=True)
+    # The same SGD in numpy: rank 0's weights, gradients of the mean squared error averaged over the ranks.
+    w = slurm_worker.initial_weights(0).astype(np.float64)
+    batches = [tuple(a.astype(np.float64) for a in slurm_worker.data(rank)) for rank in range(2)]
+    for _ in range(slurm_worker.STEPS):
+        grads = [2 * (x @ w.T - y).T @ x / y.size for x, y in batches]
+        w = w - slurm_worker.LR * np.mean(grads, axis=0)
+    for r in res:
+        np.testing.assert_allclose(r["weights"], w, rtol=1e-5, atol=1e-6)
+
+
+def test_sbatch_script_with_srun_and_horovodrun(slurm, tmp_path):
+    """A batch script as users write it: an ``srun`` step, then ``horovodrun`` in the same allocation."""
+    name = f"hvd-test-{uuid.uuid4().hex[:8]}"
+    out = tmp_path / "job.out"
+    horovodrun = shutil.which("horovodrun")
+    launcher = horovodrun if horovodrun else f"{sys.executable} -m horovod.runner"
+    script = tmp_path / "job.sh"
+    script.write_text(f"""#!/bin/bash
+#SBATCH -J {name}
+#SBATCH -n 2
+#SBATCH -t 1
+#SBATCH -o {out}
+set -e
+echo STEP-SRUN
+srun --mpi=pmix {sys.executable} {WORKER} numpy
+echo STEP-HOROVODRUN
+{launcher} -np 2 {sys.executable} {WORKER} numpy
+echo BATCH-DONE
+""")
+    proc = _run(["sbatch", "--wait", "--chdir", REPO, str(script)], name)
+    text = out.read_text() if out.exists() else ""
+    assert proc.returncode == 0, f"rc={proc.returncode} {proc.stderr}\njob output:\n{text[-4000:]}"
+    assert "BATCH-DONE" in text, text
+    in_srun, in_horovodrun = text.split("STEP-HOROVODRUN")
+    srun_res, hvdrun_res = results(in_srun), results(in_horovodrun)
+    check_layout(srun_res, mpi=True)
+    check_layout(hvdrun_res, mpi=False)  # horovodrun's own transport, as on any host
+    assert srun_res[0]["slurm_job"] == hvdrun_res[0]["slurm_job"]
+    check_numpy(srun_res)
+    check_numpy(hvdrun_res)
+
+
+def test_torchrun_in_an_srun_step(slurm):
+    """``srun -n 1 torchrun --nproc_per_node=2 train.py``: torchrun's world wins over the one-task step."""
+    pytest.importorskip("torch")
+    proc = srun("-n", "1", sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", WORKER, "numpy")
+    _ok(proc)
+    res = results(proc.stdout)
+    check_layout(res, mpi=False)
+    check_numpy(res)

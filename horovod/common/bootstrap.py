@@ -133,9 +133,12 @@ def use_mpi(comm) -> bool:
         return True
     if is_set("HOROVOD_RANK") or read_env("HOROVOD_CONTROLLER") == "gloo":
         return False
-    from horovod.transport.mpi import detect_launch
+    from horovod.transport.mpi import detect_launch, slurm_without_pmi
 
-    return detect_launch() is not None
+    launch = detect_launch()
+    # A one-task srun step without PMI is a single process: run it as one, without MPI (Open MPI's MPI_Init
+    # would end it: `srun python train.py` on a cluster whose MpiDefault is none).
+    return launch is not None and not (launch.size == 1 and slurm_without_pmi(launch))
 
 
 def check_comm_matches_launch(comm, size: int, rank: int, launcher: str) -> None:
@@ -172,6 +175,14 @@ def mpi_job(comm):
                              "or use the default (built-in) controller.")
         raise ValueError(f"This process was started by {launch.kind} (rank {launch.rank} of {launch.size}) but "
                          "mpi4py is not installed: pip install mpi4py, or start the job with horovodrun.")
+    if mpi_mod.slurm_without_pmi(launch) and "Open MPI" in mpi_mod.library_version():
+        # Refused before MPI_Init, which would end the process with Open MPI's advice to rebuild it.
+        raise ValueError(
+            f"srun started {launch.size} tasks (this is task {launch.rank}) without MPI process management "
+            "(srun --mpi=none, Slurm's default), and Open MPI cannot connect them without it: run "
+            "srun --mpi=pmix (or --mpi=pmi2 if your Open MPI was built with Slurm's PMI-2; `srun --mpi=list` "
+            "shows what your Slurm offers, MpiDefault=pmix in slurm.conf makes it the default), or start the "
+            "job with horovodrun.")
     if launch is None and is_set("HOROVOD_SIZE"):  # horovodrun's Gloo workers (torchrun's: join_torchrun)
         check_comm_matches_launch(comm, read_env("HOROVOD_SIZE"), read_env("HOROVOD_RANK"), "horovodrun")
     job = mpi_mod.mpi_job(comm, threads=not read_env("HOROVOD_MPI_THREADS_DISABLE"),

@@ -5,6 +5,9 @@ Design (docs/running.md has the user's view):
 * **Launch detection** (:func:`detect_launch`): Open MPI (``OMPI_COMM_WORLD_*``), MPICH/Hydra and Intel MPI
   (``PMI_RANK``/``PMI_SIZE``, ``MPI_LOCALRANKID``/``MPI_LOCALNRANKS``) and Slurm steps (``SLURM_PROCID``,
   ``SLURM_STEP_NUM_TASKS``/``SLURM_NTASKS``, ``SLURM_LOCALID``).  ``horovodrun``'s own ``HOROVOD_RANK`` wins.
+* **srun without PMI** (``--mpi=none``, Slurm's default; :func:`slurm_without_pmi`): a one-task step runs
+  as a single process without MPI; more tasks under Open MPI are refused before ``MPI_Init`` (which would end
+  the process with Open MPI's advice to rebuild it) with the fix, ``srun --mpi=pmix``.
 * **Bootstrap through MPI**: the rank layout comes from the job's communicator (a private duplicate of
   ``COMM_WORLD``, of the user's communicator, or of the group of the listed ranks), ``local`` ranks from
   ``Split_type(COMM_TYPE_SHARED)``; rank 0 makes the job key and broadcasts it; the addresses of the mesh
@@ -34,8 +37,8 @@ import numpy as np
 from horovod.transport import netif
 from horovod.transport.communicator import Communicator, ReduceOp
 
-__all__ = ["LaunchEnv", "detect_launch", "import_mpi", "MpiJob", "MpiStore", "MpiCommunicator",
-           "mpi_job", "mpi_available"]
+__all__ = ["LaunchEnv", "detect_launch", "slurm_without_pmi", "library_version", "import_mpi", "MpiJob",
+           "MpiStore", "MpiCommunicator", "mpi_job", "mpi_available"]
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +97,45 @@ def detect_launch(env: Mapping[str, str] | None = None) -> LaunchEnv | None:
         local_size = _slurm_tasks_on_node(per_node, node) if node is not None else None
         return LaunchEnv("slurm", rank, size, _int(env, "SLURM_LOCALID"), local_size)
     return None
+
+
+# What srun puts in a task's environment when one of its MPI plugins serves the task: PMIx (--mpi=pmix)
+# or PMI-2 (--mpi=pmi2, which also sets PMI_RANK: detected as "mpich").
+_PMI_SERVER_VARS = ("PMIX_RANK", "PMIX_NAMESPACE", "PMI_FD")
+
+
+def slurm_without_pmi(launch: LaunchEnv | None, env: Mapping[str, str] | None = None) -> bool:
+    """srun started this task with no PMI server (``--mpi=none``, Slurm's default ``MpiDefault``).
+
+    Then Open MPI aborts the process inside ``MPI_Init`` (its text suggests rebuilding Open MPI, not
+    ``--mpi=pmix``), and an MPI that falls back to a singleton runs every task as a job of size 1; only an
+    MPI linked to Slurm's PMI-1 library (``libpmi.so``, e.g. Intel MPI with ``I_MPI_PMI_LIBRARY``) connects
+    the tasks.  Verified with Debian's Slurm 22.05 and Open MPI 4.1 (tests/multihost/test_slurm.py).
+    """
+    env = os.environ if env is None else env
+    return (launch is not None and launch.kind == "slurm"
+            and not any(env.get(name, "").strip() for name in _PMI_SERVER_VARS))
+
+
+def library_version() -> str:
+    """``MPI_Get_library_version`` without initialising MPI (the standard allows it before ``MPI_Init``).
+
+    Tells Open MPI from the others while a refusal can still be raised: Open MPI's ``MPI_Init`` under srun
+    without PMI ends the process.  When this imports ``mpi4py.MPI`` it defers initialisation to
+    :func:`import_mpi` and keeps mpi4py's finalisation at exit (Open MPI's launchers report a process that
+    exits initialised and not finalised as failed).
+    """
+    import sys
+
+    import mpi4py
+
+    if "mpi4py.MPI" not in sys.modules:
+        mpi4py.rc.initialize = False
+        if mpi4py.rc.finalize is None:
+            mpi4py.rc.finalize = True
+    from mpi4py import MPI
+
+    return MPI.Get_library_version()
 
 
 def mpi_available() -> bool:

@@ -66,16 +66,31 @@ def test_fake_slurm_step():
     code = "import horovod.numpy as hvd; hvd.init(); print('SLURM', hvd.size(), hvd.mpi_enabled())"
     one = {"SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "1", "SLURM_LOCALID": "0", "SLURM_NODEID": "0",
            "SLURM_STEP_TASKS_PER_NODE": "1"}
+    # One task and no PMI server from srun: a single process, run without MPI (Open MPI's MPI_Init would end it
+    # under a real srun: tests/multihost/test_slurm.py).
     proc = subprocess.run([sys.executable, "-c", code], env=_env(**one), capture_output=True, text=True,
                           timeout=60)
     _ok(proc)
-    assert "SLURM 1 True" in proc.stdout
-    # srun started 2 tasks but MPI was not wired up (no PMI): a clear error instead of two size-1 jobs.
+    assert "SLURM 1 False" in proc.stdout
+    # srun started 2 tasks with no PMI server (no --mpi=pmix) and the MPI is Open MPI: refused before MPI_Init,
+    # naming the fix, instead of Open MPI's abort (real srun) or two jobs of size 1.
     two = dict(one, SLURM_STEP_NUM_TASKS="2", SLURM_STEP_TASKS_PER_NODE="2")
     proc = subprocess.run([sys.executable, "-c", code], env=_env(**two), capture_output=True, text=True,
                           timeout=60)
-    assert proc.returncode != 0 and "slurm started 2 processes but MPI sees 1" in proc.stderr
+    assert proc.returncode != 0 and "srun started 2 tasks (this is task 0) without MPI process management" \
+        in proc.stderr, proc.stderr
+    assert "run srun --mpi=pmix" in proc.stderr
+    # Another MPI (one that falls back to a singleton, e.g. MPICH): MPI sees 1 of the 2 tasks -> a clear error
+    # instead of two jobs of size 1.
+    other = ("import horovod.transport.mpi as m; m.library_version = lambda: 'MPICH Version: 4.0'; " + code)
+    proc = subprocess.run([sys.executable, "-c", other], env=_env(**two), capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode != 0 and "slurm started 2 processes but MPI sees 1" in proc.stderr, proc.stderr
     assert "srun with --mpi=pmix" in proc.stderr
+    # A PMI server's variables (srun --mpi=pmix): an MPI job of any size, as before.
+    proc = subprocess.run([sys.executable, "-c", code], env=_env(**dict(two, PMIX_RANK="0")),
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0 and "slurm started 2 processes but MPI sees 1" in proc.stderr, proc.stderr
 
 
 # ------------------------------------------------------------------------------------- mpirun on this host

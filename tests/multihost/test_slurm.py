@@ -157,6 +157,27 @@ echo BATCH-DONE
     check_numpy(hvdrun_res)
 
 
+def test_srun_without_mpi_flag_names_the_fix(slurm):
+    """``srun -n 2`` without ``--mpi`` (Slurm's default MpiDefault=none): Open MPI cannot connect the tasks.
+    Horovod refuses before MPI_Init (whose own abort told the user to rebuild Open MPI) and names the fix;
+    never two jobs of size 1, never a hang."""
+    proc = srun("-n", "2", sys.executable, WORKER, "numpy")
+    assert proc.returncode != 0, proc.stdout
+    assert not results(proc.stdout), proc.stdout
+    assert proc.stderr.count("srun started 2 tasks") == 2, proc.stderr
+    assert "run srun --mpi=pmix" in proc.stderr
+    assert "OMPI was not built with SLURM's PMI support" not in proc.stderr
+
+
+def test_srun_one_task_without_mpi_flag_runs_alone(slurm):
+    """``srun python train.py`` (one task, no ``--mpi``) is a single process: it runs as one, without MPI."""
+    proc = srun("-n", "1", sys.executable, WORKER, "numpy")
+    _ok(proc)
+    (r,) = results(proc.stdout)
+    assert (r["rank"], r["size"], r["local_size"], r["mpi"]) == (0, 1, 1, False), r
+    assert r["sum"] == list(np.arange(5.0)), r
+
+
 def test_torchrun_in_an_srun_step(slurm):
     """``srun -n 1 torchrun --nproc_per_node=2 train.py``: torchrun's world wins over the one-task step."""
     pytest.importorskip("torch")

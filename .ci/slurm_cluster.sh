@@ -73,7 +73,14 @@ EOF
   return 0
 }
 
-alive() { [ -f "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null; }
+# The pid file's process runs (a zombie does not count: in a container PID 1 may never reap a killed daemon).
+alive() {
+  local pid state
+  [ -f "$1" ] || return 1
+  pid=$(cat "$1")
+  state=$(ps -o stat= -p "$pid" 2>/dev/null) || return 1
+  [ -n "$state" ] && [ "${state#Z}" = "$state" ]
+}
 
 start_munge() {
   if munge -n </dev/null 2>/dev/null | unmunge >/dev/null 2>&1; then return; fi

@@ -10,6 +10,7 @@ import json
 import os
 import sys
 import textwrap
+import time
 
 import pytest
 from launch_util import clean_env, launch, marked_processes
@@ -216,6 +217,36 @@ def test_an_uncaught_exception_is_named_on_the_other_ranks(tmp_path):
     for r in (0, 2):
         assert reports[r]["error"].endswith("Cause: rank 1 exited with an uncaught KeyError: \"no such column "
                                             "'label'\""), reports[r]
+    assert code != 0
+
+
+def test_grouped_lists_of_different_lengths_end_the_job_within_seconds(tmp_path):
+    """Rank 2 groups 2 gradients, ranks 0 and 1 group 3 (a model that differs on one rank): the names never
+    matched, and the job hung until the stall deadline (300 s; upstream: forever).  Every rank now raises the
+    same error at once and, uncaught, it ends the job cleanly."""
+    body = """
+        hvd.init()
+        hvd.grouped_allreduce([np.ones(4)] * 3, name="grads")  # a first step that matches (then cached)
+        t0 = time.monotonic()
+        try:
+            hvd.grouped_allreduce([np.ones(4)] * (2 if hvd.rank() == 2 else 3), name="grads")
+            report(ok=True)
+        except Exception as e:
+            report(error=str(e), type=type(e).__name__, elapsed=time.monotonic() - t0)
+            raise
+    """
+    t0 = time.monotonic()
+    code, out = _run(tmp_path, 3, body, timeout=60.0)
+    assert time.monotonic() - t0 < 30, "the job took too long to end"
+    reports = _reports(tmp_path, 3)
+    assert sorted(reports) == [0, 1, 2], out
+    for r in range(3):
+        assert reports[r]["type"] == "PreconditionError", reports[r]
+        assert reports[r]["error"] == (
+            "Mismatched grouped ALLREDUCE sizes for grads: ranks 0 and 1 sent a group of 3 tensors, but rank 2 sent "
+            "a group of 2 tensors. Every rank must pass the same number of tensors to a grouped collective of one "
+            "name."), reports[r]
+        assert reports[r]["elapsed"] < 15, reports[r]
     assert code != 0
 
 

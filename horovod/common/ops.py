@@ -146,11 +146,12 @@ def grouped_allreduce(tensors: Sequence, outputs: Sequence | None = None, *, nam
     ps_id, _ = _set_id(process_set, RequestType.ALLREDUCE)
     base = _tensor_name(name, "grouped_allreduce" if _grouped else "allreduce", ps_id)
     group_id = next(_group_ids) if _grouped and len(arrays) > 1 else -1
+    group_size = len(arrays) if _grouped else 0
     items = []
     for i, arr in enumerate(arrays):
         tname = f"{base}_{i + 1}of{len(arrays)}" if _grouped else base
         req = Request(RequestType.ALLREDUCE, ps_id, tname, dtype_code(arr.dtype), arr.shape, -1, op,
-                      float(prescale_factor), float(postscale_factor), group_id)
+                      float(prescale_factor), float(postscale_factor), group_id, group_size=group_size)
         items.append((req, arr, None if outputs is None else outputs[i]))
     return _enqueue(items)
 
@@ -170,10 +171,12 @@ def grouped_allgather(tensors: Sequence, *, name: str | None = None,
     ps_id, _ = _set_id(process_set, RequestType.ALLGATHER)
     arrays = [_array(t) for t in tensors]
     base = _tensor_name(name, "grouped_allgather" if _grouped else "allgather", ps_id)
+    group_size = len(arrays) if _grouped else 0
     items = []
     for i, arr in enumerate(arrays):
         tname = f"{base}_{i + 1}of{len(arrays)}" if _grouped else base
-        items.append((Request(RequestType.ALLGATHER, ps_id, tname, dtype_code(arr.dtype), arr.shape), arr, None))
+        items.append((Request(RequestType.ALLGATHER, ps_id, tname, dtype_code(arr.dtype), arr.shape,
+                              group_size=group_size), arr, None))
     return _enqueue(items)
 
 
@@ -244,11 +247,12 @@ def grouped_reducescatter(tensors: Sequence, *, name: str | None = None, op: int
     ps_id, _ = _set_id(process_set, RequestType.REDUCESCATTER)
     arrays = [_array(t) for t in tensors]
     base = _tensor_name(name, "grouped_reducescatter" if _grouped else "reducescatter", ps_id)
+    group_size = len(arrays) if _grouped else 0
     items = []
     for i, arr in enumerate(arrays):
         tname = f"{base}_{i + 1}of{len(arrays)}" if _grouped else base
         items.append((Request(RequestType.REDUCESCATTER, ps_id, tname, dtype_code(arr.dtype), arr.shape, -1, op,
-                              float(prescale_factor), float(postscale_factor)), arr, None))
+                              float(prescale_factor), float(postscale_factor), group_size=group_size), arr, None))
     return _enqueue(items)
 
 

@@ -18,6 +18,14 @@ again, with no work per tensor (``_Replay``).
 Small allreduces whose bytes every contributor sent with its request are reduced here, a fused group at a
 time, and the result travels back with the response (one round trip instead of negotiation plus a data
 exchange).
+
+Grouped collectives name their tensors ``<base>_<i>of<n>``, so ranks that group different numbers of tensors
+under one base never share a name and would wait for each other until the stall deadline.  Their requests
+carry ``group_size``; when one base is pending with sizes that no two ranks share, every pending name of it
+fails with one error on every member as soon as every member submitted its part (:meth:`_check_group`).  The
+check costs nothing per cache hit: a base is cached with one size at a time, and a base seen with two sizes
+is evicted and never cached again (``_SetState.varying``), so a differing size always arrives as a full
+request (or as a hit on an evicted entry), which is where the check is made.
 """
 
 from __future__ import annotations
@@ -35,7 +43,13 @@ from horovod.base.adasum import adasum_of
 from horovod.base.config import RuntimeConfig
 from horovod.base.reduce_ops import ReduceOp, data_plane_op
 from horovod.runtime.messages import Request, RequestType, Response, dtype_of
-from horovod.runtime.validation import build_response, process_set_ranks_error
+from horovod.runtime.validation import (
+    build_response,
+    group_base,
+    group_size_error,
+    group_sizes_disagree,
+    process_set_ranks_error,
+)
 from horovod.transport.communicator import apply_reduce, reduce_into
 from horovod.transport.scaling import scale_inplace, scaled_copy
 
@@ -73,10 +87,12 @@ class _Pending:
 
 
 class _CacheEntry:
-    __slots__ = ("name", "response", "requests", "key", "key_inline", "nbytes", "shape", "fusable")
+    __slots__ = ("name", "response", "requests", "key", "key_inline", "nbytes", "shape", "fusable", "group")
 
-    def __init__(self, name: str, response: Response, requests: dict[int, Request]) -> None:
+    def __init__(self, name: str, response: Response, requests: dict[int, Request],
+                 group: tuple[str, int] | None = None) -> None:
         self.name = name
+        self.group = group  # (base, size) of a grouped collective's member
         self.response = response
         self.requests = requests
         self.key = _fusion_key(response)
@@ -125,6 +141,14 @@ def _compact(r: Response, cache_ids: list[int], cached_ids: list[int]) -> Respon
                     r.postscale, r.rank_dims, r.splits, cache_ids=cache_ids, cached_ids=cached_ids)
 
 
+def _group_of(req: Request) -> tuple[str, int] | None:
+    """(base, size) of a grouped collective's member request, None for any other."""
+    if not req.group_size:
+        return None
+    base = group_base(req.name, req.group_size)
+    return None if base is None else (base, req.group_size)
+
+
 def _fusion_key(resp: Response) -> tuple:
     return (resp.type, resp.process_set_id, resp.dtype, resp.reduce_op, resp.prescale, resp.postscale)
 
@@ -137,6 +161,13 @@ class _SetState:
     cache: collections.OrderedDict = field(default_factory=collections.OrderedDict)  # id -> _CacheEntry
     cache_by_name: dict[str, int] = field(default_factory=dict)
     graveyard: dict[int, tuple[_CacheEntry, dict[int, int]]] = field(default_factory=dict)
+    # Grouped collectives (see Coordinator._check_group): pending names that came as full requests (or hits
+    # on evicted entries) -> (base, size); per base, how many such names of each size are pending; per base,
+    # [size, entries] of its cached names (one size at a time); bases seen with two sizes (never cached).
+    group_names: dict[str, tuple[str, int]] = field(default_factory=dict)
+    group_pending: dict[str, dict[int, int]] = field(default_factory=dict)
+    group_cached: dict[str, list[int]] = field(default_factory=dict)
+    varying: set[str] = field(default_factory=set)
 
 
 _DEFAULTS = RuntimeConfig()  # the knob table's defaults (a Coordinator built without a config: tests)
@@ -183,6 +214,8 @@ class Coordinator:
         self._sightings: collections.OrderedDict[tuple, None] = collections.OrderedDict()
         self._parked: _Replay | None = None  # the replay some members sent and others not yet
         self._replayed: list[Response] = []  # responses of completed replays, for the next take_responses
+        # (set id, base) -> set: bases pending with a second size, checked at the end of the batch
+        self._groups_to_check: dict[tuple[int, str], _SetState] = {}
 
     # ------------------------------------------------------------------ input
     def submit(self, rank: int, ack: int, shutdown: str | None, requests: list[Request],
@@ -209,11 +242,17 @@ class Coordinator:
             cid = state.cache_by_name.get(req.name)
             if cid is not None:
                 self._evict(state, cid)  # a full request for a cached name means its parameters changed
+            if req.group_size:
+                group = _group_of(req)
+                if group is not None:
+                    self._note_group(state, req.name, *group)
             self._add(state, req.name, rank, req, -1, now, blobs[req.inline] if req.inline >= 0 else None)
         if cached and (requests or not self._replay(rank, cached, blobs, now)):
             if self._parked is not None:
                 self._unpark()
             self._take_hits(rank, cached, blobs, now)
+        if self._groups_to_check:
+            self._check_groups()
         if self._graveyard_pending():
             self._collect_graveyard()
 
@@ -234,6 +273,8 @@ class Coordinator:
                 cache.move_to_end(cid)
             elif state is not None and cid in state.graveyard:
                 entry = state.graveyard[cid][0]
+                if entry.group is not None:  # (the entries of a base seen with a second size are evicted)
+                    self._note_group(state, entry.name, *entry.group)
             if entry is None:
                 log.error("rank %d referred to unknown cache entry %d of process set %d", rank, cid, ps_id)
                 self.shutdown_reason = f"protocol error: rank {rank} sent an unknown cache id"
@@ -393,6 +434,9 @@ class Coordinator:
         if submitted < len(state.ranks):
             return
         del state.pending[name]
+        group = state.group_names.get(name) if state.group_names else None
+        if group is not None:
+            self._group_settled(state, name)
         if self.timeline is not None:
             self.timeline.negotiate_end(name)
         data = pending.data if pending.data and len(pending.data) == len(pending.requests) else None
@@ -410,7 +454,10 @@ class Coordinator:
             self._remove_process_set(response)
         elif response.type in _CACHEABLE and self.cache_capacity > 0 and ".noname." not in name and \
                 len(pending.requests) == len(state.ranks):  # unnamed tensors never repeat a name
-            response.cache_ids = [self._insert_cache(state, name, response, pending.requests)]
+            if group is None:  # (every request of it was a cache hit: none was counted)
+                group = _group_of(next(iter(pending.requests.values())))
+            if group is None or self._may_cache_group(state, group):
+                response.cache_ids = [self._insert_cache(state, name, response, pending.requests, group)]
         self._ready.append((response, None, -1, data if response.type == RequestType.ALLREDUCE else None))
 
     def _reduce_inline(self, response: Response, items: list[_Ready]) -> None:
@@ -462,11 +509,17 @@ class Coordinator:
 
     # ------------------------------------------------------------------ cache
     def _insert_cache(self, state: _SetState, name: str, response: Response,
-                      requests: dict[int, Request]) -> int:
+                      requests: dict[int, Request], group: tuple[str, int] | None = None) -> int:
         cid = self._next_cache_id
         self._next_cache_id += 1
-        state.cache[cid] = _CacheEntry(name, response, dict(requests))
+        state.cache[cid] = _CacheEntry(name, response, dict(requests), group)
         state.cache_by_name[name] = cid
+        if group is not None:
+            counted = state.group_cached.get(group[0])
+            if counted is None:
+                state.group_cached[group[0]] = [group[1], 1]
+            else:
+                counted[1] += 1
         while len(state.cache) > self.cache_capacity:
             old = next(iter(state.cache))
             if not self._warned_eviction:
@@ -493,11 +546,100 @@ class Coordinator:
             return
         if state.cache_by_name.get(entry.name) == cid:
             del state.cache_by_name[entry.name]
+        if entry.group is not None:
+            counted = state.group_cached.get(entry.group[0])
+            if counted is not None:
+                counted[1] -= 1
+                if counted[1] <= 0:
+                    del state.group_cached[entry.group[0]]
         notice_seq = {}
         for r in state.ranks:
             self._evictions[r].append((state.id, cid))
             notice_seq[r] = self._sent_seq[r] + 1
         state.graveyard[cid] = (entry, notice_seq)
+
+    # ------------------------------------------------------------------ grouped collectives
+    def _note_group(self, state: _SetState, name: str, base: str, size: int) -> None:
+        """A member name of a group arrived in a full request (or a hit on an evicted entry): count it among
+        the base's pending names, and have the base checked when another size of it is pending or cached."""
+        sizes = state.group_pending.get(base)
+        if sizes is None:
+            sizes = state.group_pending[base] = {}
+        if name not in state.group_names:  # (another rank's request named it first)
+            state.group_names[name] = (base, size)
+            sizes[size] = sizes.get(size, 0) + 1
+        cached = state.group_cached.get(base)
+        if len(sizes) > 1 or (cached is not None and cached[0] != size):
+            self._groups_to_check[(state.id, base)] = state
+
+    def _check_groups(self) -> None:
+        while self._groups_to_check:  # (a check may unpark hits that note more)
+            (_, base), state = self._groups_to_check.popitem()
+            if self.sets.get(state.id) is state:
+                self._check_group(state, base)
+
+    def _group_settled(self, state: _SetState, name: str) -> None:
+        """A pending name counted by :meth:`_note_group` completed or failed."""
+        base, size = state.group_names.pop(name)
+        sizes = state.group_pending[base]
+        if sizes[size] > 1:
+            sizes[size] -= 1
+        else:
+            del sizes[size]
+            if not sizes:
+                del state.group_pending[base]
+
+    @staticmethod
+    def _may_cache_group(state: _SetState, group: tuple[str, int]) -> bool:
+        """A base is cached with one size at a time, and never once it was seen with two (see the module)."""
+        base, size = group
+        cached = state.group_cached.get(base)
+        return base not in state.varying and (cached is None or cached[0] == size)
+
+    def _check_group(self, state: _SetState, base: str) -> None:
+        """Fail every pending name of ``base`` on every member when the ranks grouped different numbers of
+        tensors under it -- once every member submitted its part, so that all of them get the error for the
+        same call and go on in step (a member that never submits is the stall inspector's)."""
+        sizes = set(state.group_pending.get(base, ()))
+        cached = state.group_cached.get(base)
+        if cached is not None:
+            sizes.add(cached[0])
+        if len(sizes) < 2:
+            return
+        if ".noname." not in base:  # (an unnamed base is never cached, nor repeated)
+            state.varying.add(base)
+        if cached is not None:  # later hits of these would bypass the check: evict them
+            n = cached[0]
+            for j in range(1, n + 1):
+                cid = state.cache_by_name.get(f"{base}_{j}of{n}")
+                if cid is not None:
+                    self._evict(state, cid)
+        if self._parked is not None:
+            self._unpark()  # its hits are pending names like the others
+        found: list[tuple[str, _Pending]] = []
+        by_rank: dict[int, set[int]] = {}
+        for n in sorted(sizes):
+            for j in range(1, n + 1):
+                name = f"{base}_{j}of{n}"
+                pending = state.pending.get(name)
+                if pending is not None:
+                    found.append((name, pending))
+                    for r in pending.requests:
+                        by_rank.setdefault(r, set()).add(n)
+        if not group_sizes_disagree(by_rank):
+            return
+        if any(r not in by_rank and r not in self.joined for r in state.ranks):
+            return  # checked again when the missing members' parts arrive
+        rtype = next(iter(found[0][1].requests.values())).type
+        error = group_size_error(rtype, base, by_rank)
+        for name, _ in found:
+            del state.pending[name]
+            if name in state.group_names:
+                self._group_settled(state, name)
+            if self.timeline is not None:
+                self.timeline.negotiate_end(name)
+        self._ready.append((Response(RequestType.ERROR, state.id, [name for name, _ in found], error=error),
+                            None, -1, None))
 
     def _graveyard_pending(self) -> bool:
         return any(s.graveyard for s in self.sets.values())
@@ -552,6 +694,8 @@ class Coordinator:
     # ------------------------------------------------------------------ output
     def take_responses(self) -> dict[int, tuple[list[Response], list[tuple[int, int]]]]:
         """Fuse what became ready and return, per rank with something to do, its responses and evictions."""
+        if self._groups_to_check:  # noted outside submit (hits unparked by the stall inspector or a join)
+            self._check_groups()
         if not self._ready and not self._evictions and not self._replayed:
             return {}
         ready, self._ready = self._ready, []

@@ -95,11 +95,15 @@ class Request:
     device: int = -1
     rank: int = -1  # global rank of the sender; filled in by the coordinator from the channel
     inline: int = -1  # index of the tensor's bytes among the frame's blobs (small allreduces), -1 = none
+    # Tensors of the grouped call this one belongs to (its name is ``<base>_<i>of<group_size>``), 0: not
+    # grouped.  It travels so that the coordinator can tell a group from a name that only looks like one, and
+    # fail at once ranks that grouped different numbers of tensors under one base name.
+    group_size: int = 0
 
     def signature(self) -> tuple:
         """Everything that must match for a cached response to be reused."""
         return (self.type, self.dtype, self.shape, self.root_rank, self.reduce_op, self.prescale,
-                self.postscale, self.splits, self.device)
+                self.postscale, self.splits, self.device, self.group_size)
 
     def nbytes(self) -> int:
         n = dtype_of(self.dtype).itemsize
@@ -153,8 +157,9 @@ class Response:
 _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
 _HEAD = struct.Struct("<IIIIi")
-# type, dtype, ndim, (pad), set, root, op, group, device, inline, prescale, postscale, name bytes, splits
-_REQ = struct.Struct("<BBBxiiiiiiddII")
+# type, dtype, ndim, (pad), set, root, op, group, group size, device, inline, prescale, postscale, name bytes,
+# splits
+_REQ = struct.Struct("<BBBxiiiiiiiddII")
 # form 0, type, dtype, (pad), set, root, op, last joined, inline, prescale, postscale, names, shapes,
 # rank_dims rows, splits rows, error bytes, cache ids, payload
 _FULL = struct.Struct("<BBBxiiiiiddIIIIIII")
@@ -248,8 +253,8 @@ def encode_requests(ack: int, shutdown: str | None, requests: list[Request],
     for r in requests:
         name = r.name.encode()
         parts.append(_REQ.pack(r.type, r.dtype, len(r.shape), r.process_set_id, r.root_rank, r.reduce_op,
-                               r.group_id, r.device, r.inline, r.prescale, r.postscale, len(name),
-                               len(r.splits)))
+                               r.group_id, r.group_size, r.device, r.inline, r.prescale, r.postscale,
+                               len(name), len(r.splits)))
         parts.append(name)
         if r.shape:
             parts.append(struct.pack(_fmt("q", len(r.shape)), *r.shape))
@@ -301,15 +306,15 @@ def decode_requests(data, rank: int) -> tuple[int, str | None, list[Request], li
         _check_count(n_full, rd, _REQ.size)
         requests = []
         for _ in range(n_full):
-            (rtype, dtype, ndim, ps, root, op, group, device, inline, pre, post, n_name,
+            (rtype, dtype, ndim, ps, root, op, group, group_size, device, inline, pre, post, n_name,
              n_splits) = rd.unpack(_REQ)
             name = rd.text(n_name)
             shape = rd.array("q", ndim, 8)
             splits = rd.array("q", n_splits, 8)
-            if rtype not in _REQUEST_TYPES or dtype >= DTYPE_COUNT or any(d < 0 for d in shape):
-                raise WireError(f"malformed request from rank {rank}: bad type, dtype or shape")
+            if rtype not in _REQUEST_TYPES or dtype >= DTYPE_COUNT or any(d < 0 for d in shape) or group_size < 0:
+                raise WireError(f"malformed request from rank {rank}: bad type, dtype, shape or group size")
             requests.append(Request(rtype, ps, name, dtype, shape, root, op, pre, post, group, splits, device,
-                                    rank, inline))
+                                    rank, inline, group_size))
         flat = rd.array("i", 3 * n_hits, 4)
         cached = list(zip(flat[0::3], flat[1::3], flat[2::3]))
         _check_count(n_blobs, rd, 8)

@@ -96,3 +96,14 @@ def assert_same(actual: np.ndarray, expected: np.ndarray) -> None:
 
 def reducescatter_rows(dim0: int, n: int) -> list[int]:
     return [dim0 // n + (1 if j < dim0 % n else 0) for j in range(n)]
+
+
+def last_rank_short_text(op: str, base: str, size: int) -> str:
+    """The error every rank gets when the last rank passes 2 tensors to a grouped collective and the others 3
+    (written out here, not with the engine's formatting)."""
+    others = list(range(size - 1))
+    who = f"rank {others[0]}" if len(others) == 1 else \
+        f"ranks {', '.join(str(r) for r in others[:-1])} and {others[-1]}"
+    return (f"Mismatched grouped {op} sizes for {base}: {who} sent a group of 3 tensors, but rank {size - 1} sent a "
+            "group of 2 tensors. Every rank must pass the same number of tensors to a grouped collective of one "
+            "name.")

@@ -6,8 +6,11 @@ text, and the next collective still works.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
+from parallel_util import last_rank_short_text
 
 import horovod.numpy as hvd
 from horovod.common.exceptions import HorovodInternalError, PreconditionError
@@ -110,6 +113,56 @@ def test_mismatched_allgather_rank_and_dims():
 def test_allgather_scalar_on_set_rank_zero():
     expect_error(lambda: hvd.allgather(np.float32(1.0), name="bad.scalar"),
                  "Process-set rank zero tried to ALLGATHER a rank-zero tensor.")
+
+
+GROUPED = {"ALLREDUCE": lambda xs, name: hvd.grouped_allreduce(xs, name=name, op=hvd.Sum),
+           "ALLGATHER": lambda xs, name: hvd.grouped_allgather(xs, name=name),
+           "REDUCESCATTER": lambda xs, name: hvd.grouped_reducescatter(xs, name=name, op=hvd.Sum)}
+
+
+def short_last_rank(n: int = 3) -> list[np.ndarray]:
+    """``n`` tensors, one fewer on the last rank."""
+    size = hvd.size()
+    return [np.ones((size, 2), np.float32)] * (n - (hvd.rank() == size - 1))
+
+
+@pytest.mark.parametrize("op", list(GROUPED))
+def test_grouped_lists_of_different_lengths_fail_at_once_on_every_rank(op):
+    """The last rank groups 2 tensors, the others 3: names g_1of3.. and g_1of2.. never matched and the job waited
+    for the stall inspector (60 s warning, then its deadline; upstream forever)."""
+    if hvd.size() == 1:
+        pytest.skip("needs two ranks")
+    t0 = time.monotonic()
+    expect_error(lambda: GROUPED[op](short_last_rank(), f"short.{op}"),
+                 last_rank_short_text(op, f"short.{op}", hvd.size()))
+    assert time.monotonic() - t0 < 15
+    out = GROUPED[op]([np.ones((hvd.size(), 2), np.float32)] * 2, f"short.{op}")  # the name agreed on works
+    assert len(out) == 2
+
+
+def test_a_grouped_length_that_changes_on_one_rank_after_cached_steps():
+    """Repeated steps travel as cache hits and replays, which carry no group size; a length that changes on
+    one rank only is caught all the same."""
+    if hvd.size() == 1:
+        pytest.skip("needs two ranks")
+    size = hvd.size()
+    for _ in range(4):
+        out = hvd.grouped_allreduce([np.ones(3, np.float32)] * 3, name="steps", op=hvd.Sum)
+        np.testing.assert_array_equal(out[2], np.full(3, float(size)))
+    t0 = time.monotonic()
+    expect_error(lambda: hvd.grouped_allreduce(short_last_rank(), name="steps", op=hvd.Sum),
+                 last_rank_short_text("ALLREDUCE", "steps", size))
+    assert time.monotonic() - t0 < 15
+
+
+def test_plain_names_that_look_grouped_are_not_groups():
+    """A tensor a user named "x_1of2" is no group member: "x_1of2" and "x_1of3" on every rank, in different
+    orders, are two plain allreduces."""
+    names = ["x_1of2", "x_2of2", "x_1of3"]
+    handles = [hvd.allreduce_async(np.full(2, float(i)), name=n, op=hvd.Sum)
+               for i, n in (list(enumerate(names)) if hvd.rank() % 2 else list(enumerate(names))[::-1])]
+    got = sorted(float(hvd.synchronize(h)[0]) for h in handles)
+    assert got == [0.0, float(hvd.size()), 2.0 * hvd.size()]
 
 
 def test_error_in_a_group_fails_every_member_and_async():

@@ -13,7 +13,15 @@ import time
 import numpy as np
 import pytest
 import tensorflow as tf
-from parallel_util import adasum_expected, allreduce_expected, data, launcher_rank_size, reducescatter_rows, seed
+from parallel_util import (
+    adasum_expected,
+    allreduce_expected,
+    data,
+    last_rank_short_text,
+    launcher_rank_size,
+    reducescatter_rows,
+    seed,
+)
 
 import horovod.tensorflow as hvd
 
@@ -569,6 +577,26 @@ def test_mismatch_is_failed_precondition():
         hvd.allreduce(tf.ones([r + 1]), name="err_shape")
     with pytest.raises(tf.errors.FailedPreconditionError, match="Mismatched data types"):
         hvd.allreduce(tf.ones([2], dtype=tf.float32 if r == 0 else tf.int32), name="err_dtype")
+
+
+def test_grouped_lists_of_different_lengths_fail_at_once_on_every_rank():
+    """The last rank groups 2 tensors, the others 3: eagerly the names g_1of3.. and g_1of2.. never matched and
+    the job waited for the stall inspector (upstream: forever); inside tf.function the group is one flat tensor
+    whose length differs.  Every rank gets an error at once, and the job goes on."""
+    r, n = hvd.rank(), hvd.size()
+    if n == 1:
+        pytest.skip("needs two ranks")
+    count = 3 - (r == n - 1)
+    t0 = time.monotonic()
+    with pytest.raises(tf.errors.FailedPreconditionError) as info:
+        hvd.grouped_allreduce([tf.ones([2])] * count, name="err_short", op=hvd.Sum)
+    assert time.monotonic() - t0 < 15
+    assert last_rank_short_text("ALLREDUCE", "err_short", n) in str(info.value)
+    with pytest.raises(tf.errors.OpError, match="Mismatched ALLREDUCE tensor shapes"):
+        tf.function(lambda: hvd.grouped_allreduce([tf.ones([2])] * count, name="err_short_fn", op=hvd.Sum))()
+    assert time.monotonic() - t0 < 30
+    got = hvd.grouped_allreduce([tf.ones([2])] * 2, name="err_short", op=hvd.Sum)
+    assert [g.numpy().tolist() for g in got] == [[n, n]] * 2
 
 
 def test_mismatch_in_graph_mode_keeps_message():

@@ -6,10 +6,12 @@ bfloat16 included.  Gradients are checked against upstream's analytic formulas (
 """
 
 import copy
+import time
 
 import numpy as np
 import pytest
 import torch
+from parallel_util import last_rank_short_text
 
 import horovod.torch as hvd
 from horovod.common.exceptions import HorovodInternalError
@@ -325,6 +327,20 @@ def test_mismatched_shapes_fail_on_every_rank():
     with pytest.raises(HorovodInternalError, match="Mismatched"):
         hvd.allreduce(torch.ones(RANK + 1), name="mismatch")
     assert hvd.allreduce(torch.ones(1), op=hvd.Sum).item() == SIZE  # the job goes on
+
+
+def test_grouped_lists_of_different_lengths_fail_at_once_on_every_rank():
+    """The last rank groups 2 tensors, the others 3: the names never matched and the job waited for the stall
+    inspector (upstream: forever).  Every rank now gets the same error at once, and the job goes on."""
+    if SIZE == 1:
+        pytest.skip("needs two ranks")
+    t0 = time.monotonic()
+    with pytest.raises(HorovodInternalError) as info:
+        hvd.grouped_allreduce([torch.ones(2)] * (3 - (RANK == SIZE - 1)), name="short", op=hvd.Sum)
+    assert time.monotonic() - t0 < 15
+    assert str(info.value) == last_rank_short_text("ALLREDUCE", "grouped_allreduce.short", SIZE)
+    out = hvd.grouped_allreduce([torch.ones(2)] * 2, name="short", op=hvd.Sum)
+    assert [t.tolist() for t in out] == [[SIZE, SIZE]] * 2
 
 
 # ---------------------------------------------------------------------- autograd

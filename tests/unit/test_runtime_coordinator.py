@@ -796,3 +796,146 @@ def test_a_replay_in_a_process_set_of_some_ranks():
         assert sorted(out) == [0, 2]
         assert [r.cached_ids for r in responses(out, 2)] == [first.cache_ids]
     assert len(c._replays) == 1
+
+
+# ------------------------------------------------------------------------------------------ grouped sizes
+def grouped(base, n, ps=0, shape=(4,), rtype=RequestType.ALLREDUCE):
+    """The requests of one grouped call of ``n`` tensors (names as horovod.common.ops builds them)."""
+    return [Request(rtype, ps, f"{base}_{i + 1}of{n}", F32, shape, -1, ReduceOp.SUM, group_size=n)
+            for i in range(n)]
+
+
+def group_error(out, rank):
+    [resp] = responses(out, rank)
+    assert resp.type == RequestType.ERROR
+    return sorted(resp.names), resp.error
+
+
+G3_G2 = ("Mismatched grouped ALLREDUCE sizes for g: rank 0 sent a group of 3 tensors, but rank 1 sent a group of 2 "
+         "tensors. Every rank must pass the same number of tensors to a grouped collective of one name.")
+ALL5 = sorted([f"g_{i}of3" for i in (1, 2, 3)] + [f"g_{i}of2" for i in (1, 2)])
+
+
+@pytest.mark.parametrize("first", [0, 1])
+def test_group_sizes_that_differ_fail_every_member_at_once(first):
+    """Names g_1of3.. and g_1of2.. never match: upstream waits for them forever, the stall inspector here
+    until its deadline.  The second rank's batch fails both calls on both ranks with one error."""
+    c = make(size=2)
+    by_rank = {0: grouped("g", 3), 1: grouped("g", 2)}
+    c.submit(first, 0, None, by_rank[first], [])
+    assert c.take_responses() == {}
+    c.submit(1 - first, 0, None, by_rank[1 - first], [])
+    out = c.take_responses()
+    for r in (0, 1):
+        assert group_error(out, r) == (ALL5, G3_G2)
+    assert not c.sets[0].pending and not c.sets[0].group_names and not c.sets[0].group_pending
+    submit_all(c, {0: grouped("g", 2), 1: grouped("g", 2)})  # the same name agreed on works
+    assert [resp.type for resp in responses(c.take_responses(), 1)] == [RequestType.ALLREDUCE]
+
+
+@pytest.mark.parametrize("order", [(0, 1, 2), (0, 2, 1), (2, 0, 1), (2, 1, 0)])
+def test_one_rank_of_three_with_another_group_size(order):
+    """The error waits for every member's part, so all three get it for the same call and go on in step."""
+    c = make(size=3)
+    by_rank = {0: grouped("g", 3), 1: grouped("g", 3), 2: grouped("g", 2)}
+    for r in order[:2]:
+        c.submit(r, 0, None, by_rank[r], [])
+        assert c.take_responses() == {}
+    c.submit(order[2], 0, None, by_rank[order[2]], [])
+    out = c.take_responses()
+    text = ("Mismatched grouped ALLREDUCE sizes for g: ranks 0 and 1 sent a group of 3 tensors, but rank 2 sent a "
+            "group of 2 tensors. Every rank must pass the same number of tensors to a grouped collective of one "
+            "name.")
+    for r in range(3):
+        assert group_error(out, r) == (ALL5, text)
+
+
+def _cached_group(c, base, n, ranks):
+    submit_all(c, {r: grouped(base, n) for r in ranks})
+    [resp] = responses(c.take_responses(), ranks[0])
+    assert min(resp.cache_ids) >= 0
+    return resp.cache_ids
+
+
+@pytest.mark.parametrize("hits_first", [True, False])
+def test_group_size_change_on_one_rank_after_cached_steps(hits_first):
+    """Rank 0 repeats a cached group (12-byte hits, no group size); rank 1 sends a group of another size.
+    The differing size arrives as a full request, whichever comes first; rank 0's hits that raced the eviction
+    of the base's entries still count."""
+    c = make(size=2)
+    cids = _cached_group(c, "g", 3, [0, 1])
+    for _ in range(3):  # steps that repeat: the third is a replay
+        for r in (0, 1):
+            c.submit(r, 1, None, [], [hit(0, cid) for cid in cids])
+        assert [resp.cached_ids for resp in responses(c.take_responses(), 0)] == [cids]
+    if hits_first:
+        c.submit(0, 1, None, [], [hit(0, cid) for cid in cids])
+        assert c._parked is not None  # waiting as a replay
+        c.submit(1, 1, None, grouped("g", 2), [])
+    else:
+        c.submit(1, 1, None, grouped("g", 2), [])
+        assert c.take_responses()[0][1] == [(0, cid) for cid in cids]  # evicted everywhere
+        c.submit(0, 1, None, [], [hit(0, cid) for cid in cids])  # sent before rank 0 read the eviction
+    out = c.take_responses()
+    for r in (0, 1):
+        assert group_error(out, r) == (ALL5, G3_G2)
+    assert "g" in c.sets[0].varying and not c.sets[0].group_cached
+
+
+def test_names_that_only_look_grouped_are_plain_tensors():
+    c = make(size=2)
+    c.submit(0, 0, None, [ar("x_1of2"), ar("x_2of2")], [])
+    c.submit(1, 0, None, [ar("x_1of3")], [])
+    assert c.take_responses() == {}
+    c.submit(1, 0, None, [ar("x_1of2"), ar("x_2of2")], [])
+    c.submit(0, 0, None, [ar("x_1of3")], [])
+    out = c.take_responses()
+    assert sorted(n for resp in responses(out, 0) for n in resp.names) == ["x_1of2", "x_1of3", "x_2of2"]
+    assert all(resp.type == RequestType.ALLREDUCE for resp in responses(out, 0))
+
+
+def test_a_group_size_that_changes_on_every_rank_alike_is_no_error():
+    """Sizes that vary in step (or calls of two sizes in flight, submitted in the same order everywhere) are
+    fine; such a base is no longer cached, so that a later difference still arrives as full requests."""
+    c = make(size=2)
+    cids = _cached_group(c, "g", 3, [0, 1])
+    c.submit(0, 1, None, grouped("g", 2) + grouped("g", 1), [])
+    assert c.take_responses()[0][1] == [(0, cid) for cid in cids]  # g_*of3 evicted
+    c.submit(1, 1, None, grouped("g", 2), [])
+    c.submit(1, 1, None, grouped("g", 1), [])
+    out = c.take_responses()
+    assert sorted(n for resp in responses(out, 1) for n in resp.names) == ["g_1of1", "g_1of2", "g_2of2"]
+    assert all(resp.type == RequestType.ALLREDUCE and set(resp.cache_ids) == {-1} for resp in responses(out, 1))
+    submit_all(c, {0: grouped("g", 3), 1: grouped("g", 3)})
+    [resp] = responses(c.take_responses(), 0)
+    assert resp.type == RequestType.ALLREDUCE and set(resp.cache_ids) == {-1}
+    assert not c.sets[0].group_pending and not c.sets[0].group_names
+
+
+def test_group_sizes_are_checked_per_process_set():
+    c = make(size=3, sets={0: [0, 1, 2], 1: [0, 1]})
+    c.submit(0, 0, None, grouped("g", 3, ps=1) + grouped("g", 2, ps=0), [])
+    c.submit(1, 0, None, grouped("g", 3, ps=1) + grouped("g", 2, ps=0), [])
+    c.submit(2, 0, None, grouped("g", 2, ps=0), [])
+    out = c.take_responses()
+    assert all(resp.type == RequestType.ALLREDUCE for r in range(3) for resp in responses(out, r))
+    c.submit(0, 0, None, grouped("g", 3, ps=1), [])
+    c.submit(1, 0, None, grouped("g", 1, ps=1), [])
+    out = c.take_responses()
+    assert set(out) == {0, 1}
+    assert group_error(out, 1)[1].startswith("Mismatched grouped ALLREDUCE sizes for g: rank 0 sent a group of 3 "
+                                             "tensors, but rank 1 sent a group of 1 tensor.")
+
+
+@pytest.mark.parametrize("order", [(0, 2, 1), (2, 0, 1), (1, 0, 2)])
+def test_one_rank_of_three_changes_a_cached_group_size(order):
+    c = make(size=3)
+    cids = _cached_group(c, "g", 3, [0, 1, 2])
+    parts = {0: ([], [hit(0, cid) for cid in cids]), 1: ([], [hit(0, cid) for cid in cids]),
+             2: (grouped("g", 2), [])}
+    for r in order:
+        c.submit(r, 1, None, *parts[r])
+    out = c.take_responses()
+    for r in range(3):
+        assert group_error(out, r)[1].startswith("Mismatched grouped ALLREDUCE sizes for g: ranks 0 and 1 sent a "
+                                                 "group of 3 tensors, but rank 2 sent a group of 2 tensors.")

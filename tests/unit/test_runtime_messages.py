@@ -174,7 +174,7 @@ def test_signature_ignores_name_and_group():
 # ------------------------------------------------------------------------------------------ malformed input
 # The layout (documented in horovod/runtime/messages.py), rebuilt here independently of the encoder.
 HEAD = struct.Struct("<IIIIi")
-REQ = struct.Struct("<BBBxiiiiiiddII")
+REQ = struct.Struct("<BBBxiiiiiiiddII")
 FULL = struct.Struct("<BBBxiiiiiddIIIIIII")
 CACHED = struct.Struct("<BxxxiiI")
 
@@ -187,7 +187,8 @@ def req_frame(reqs=(), hits=(), blobs=(), ack=1, shutdown=None, n_full=None, n_h
                        len(blobs) if n_blobs is None else n_blobs,
                        (-1 if shutdown is None else len(text)) if text_len is None else text_len), text]
     for rtype, dtype, shape, inline, name, splits in reqs:
-        parts.append(REQ.pack(rtype, dtype, len(shape), 0, -1, 1, -1, -1, inline, 1.0, 1.0, len(name), len(splits)))
+        parts.append(REQ.pack(rtype, dtype, len(shape), 0, -1, 1, -1, 0, -1, inline, 1.0, 1.0, len(name),
+                              len(splits)))
         parts.append(name + struct.pack(f"<{len(shape)}q", *shape) + struct.pack(f"<{len(splits)}q", *splits))
     for h in hits:
         parts.append(struct.pack("<3i", *h))
@@ -341,3 +342,10 @@ def test_fuzz_random_bytes_and_mutations():
         cut = rng.randrange(len(req_data))
         _decode_or_wire_error(_decode_requests, req_data[:cut] + resp_data[cut:])
         _decode_or_wire_error(decode_responses, resp_data[:cut] + req_data[cut:])
+
+
+def test_group_size_travels_and_is_part_of_the_signature():
+    req = Request(RequestType.ALLREDUCE, 0, "g_1of3", 1, (2,), group_id=5, group_size=3)
+    (_, _, [back], _, _) = decode_requests(encode_requests(0, None, [req], []), 0)
+    assert back.group_size == 3 and back.group_id == 5
+    assert req.signature() != Request(RequestType.ALLREDUCE, 0, "g_1of3", 1, (2,)).signature()

@@ -7,7 +7,14 @@ import pytest
 
 from horovod.base.reduce_ops import ReduceOp
 from horovod.runtime.messages import Request, RequestType, dtype_code
-from horovod.runtime.validation import build_response, process_set_ranks_error, shape_str
+from horovod.runtime.validation import (
+    build_response,
+    group_base,
+    group_size_error,
+    group_sizes_disagree,
+    process_set_ranks_error,
+    shape_str,
+)
 
 F32 = dtype_code(np.float32)
 I32 = dtype_code(np.int32)
@@ -257,3 +264,27 @@ def test_process_set_ranks_error_has_upstreams_text():
     assert process_set_ranks_error([0, 3], 3) == "Tried to register process set with invalid rank: 3"
     assert process_set_ranks_error([2, -1], 3) == "Tried to register process set with invalid rank: -1"
     assert process_set_ranks_error([1, 0, 1], 3) == "Tried to register process set with duplicate rank: 1"
+
+
+# ---------------------------------------------------------------------------------------- grouped collectives
+def test_group_base_only_for_names_of_the_groups_form():
+    assert group_base("grouped_allreduce.g_2of3", 3) == "grouped_allreduce.g"
+    assert group_base("a_b_1of1", 1) == "a_b"
+    for name, size in [("g_1of3", 2), ("g_0of3", 3), ("g_4of3", 3), ("g1of3", 3), ("g_of3", 3), ("g_x1of3", 3)]:
+        assert group_base(name, size) is None, name
+
+
+def test_group_sizes_disagree_only_when_no_size_is_shared():
+    assert not group_sizes_disagree({0: {3}, 1: {3}})
+    assert not group_sizes_disagree({0: {3, 2}, 1: {3}})  # rank 0 ahead by one call
+    assert group_sizes_disagree({0: {3}, 1: {2}})
+    assert group_sizes_disagree({0: {3}, 1: {3, 2}, 2: {2}})
+
+
+def test_group_size_error_names_every_rank_and_what_it_sent():
+    assert group_size_error(RequestType.ALLGATHER, "b", {3: {1}, 0: {2}, 1: {2}, 2: {2, 1}}) == (
+        "Mismatched grouped ALLGATHER sizes for b: ranks 0 and 1 sent a group of 2 tensors, rank 2 sent groups of "
+        "2 and 1 tensors, but rank 3 sent a group of 1 tensor. Every rank must pass the same number of tensors to "
+        "a grouped collective of one name.")
+    many = group_size_error(RequestType.ALLREDUCE, "b", {r: {2 if r else 1} for r in range(12)})
+    assert "rank 0 sent a group of 1 tensor, but ranks 1, 2, 3, 4, 5, 6, 7, 8, ... (11 ranks) sent" in many

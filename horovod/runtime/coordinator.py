@@ -19,13 +19,10 @@ Small allreduces whose bytes every contributor sent with its request are reduced
 time, and the result travels back with the response (one round trip instead of negotiation plus a data
 exchange).
 
-Grouped collectives name their tensors ``<base>_<i>of<n>``, so ranks that group different numbers of tensors
-under one base never share a name and would wait for each other until the stall deadline.  Their requests
-carry ``group_size``; when one base is pending with sizes that no two ranks share, every pending name of it
-fails with one error on every member as soon as every member submitted its part (:meth:`_check_group`).  The
-check costs nothing per cache hit: a base is cached with one size at a time, and a base seen with two sizes
-is evicted and never cached again (``_SetState.varying``), so a differing size always arrives as a full
-request (or as a hit on an evicted entry), which is where the check is made.
+Ranks that group different numbers of tensors under one name fail at once instead of waiting for the stall
+deadline: the bookkeeping is :mod:`horovod.runtime.group_check` (one ``GroupSizes`` per process set); the
+coordinator notes member names as they arrive and settle and, for a base noted with a second size, evicts its
+cached members and fails the pending names it is told (:meth:`_check_group`).
 """
 
 from __future__ import annotations
@@ -42,14 +39,9 @@ import numpy as np
 from horovod.base.adasum import adasum_of
 from horovod.base.config import RuntimeConfig
 from horovod.base.reduce_ops import ReduceOp, data_plane_op
+from horovod.runtime.group_check import GroupSizes, group_of
 from horovod.runtime.messages import Request, RequestType, Response, dtype_of
-from horovod.runtime.validation import (
-    build_response,
-    group_base,
-    group_size_error,
-    group_sizes_disagree,
-    process_set_ranks_error,
-)
+from horovod.runtime.validation import build_response, process_set_ranks_error
 from horovod.transport.communicator import apply_reduce, reduce_into
 from horovod.transport.scaling import scale_inplace, scaled_copy
 
@@ -141,14 +133,6 @@ def _compact(r: Response, cache_ids: list[int], cached_ids: list[int]) -> Respon
                     r.postscale, r.rank_dims, r.splits, cache_ids=cache_ids, cached_ids=cached_ids)
 
 
-def _group_of(req: Request) -> tuple[str, int] | None:
-    """(base, size) of a grouped collective's member request, None for any other."""
-    if not req.group_size:
-        return None
-    base = group_base(req.name, req.group_size)
-    return None if base is None else (base, req.group_size)
-
-
 def _fusion_key(resp: Response) -> tuple:
     return (resp.type, resp.process_set_id, resp.dtype, resp.reduce_op, resp.prescale, resp.postscale)
 
@@ -161,13 +145,24 @@ class _SetState:
     cache: collections.OrderedDict = field(default_factory=collections.OrderedDict)  # id -> _CacheEntry
     cache_by_name: dict[str, int] = field(default_factory=dict)
     graveyard: dict[int, tuple[_CacheEntry, dict[int, int]]] = field(default_factory=dict)
-    # Grouped collectives (see Coordinator._check_group): pending names that came as full requests (or hits
-    # on evicted entries) -> (base, size); per base, how many such names of each size are pending; per base,
-    # [size, entries] of its cached names (one size at a time); bases seen with two sizes (never cached).
-    group_names: dict[str, tuple[str, int]] = field(default_factory=dict)
-    group_pending: dict[str, dict[int, int]] = field(default_factory=dict)
-    group_cached: dict[str, list[int]] = field(default_factory=dict)
-    varying: set[str] = field(default_factory=set)
+    groups: GroupSizes = field(default_factory=GroupSizes)  # sizes of grouped collectives (group_check)
+
+    # Read-only views of ``groups`` under their former names (the coordinator's unit tests read them).
+    @property
+    def group_names(self) -> dict[str, tuple[str, int]]:
+        return self.groups.names
+
+    @property
+    def group_pending(self) -> dict[str, dict[int, int]]:
+        return self.groups.pending
+
+    @property
+    def group_cached(self) -> dict[str, list[int]]:
+        return self.groups.cached
+
+    @property
+    def varying(self) -> set[str]:
+        return self.groups.varying
 
 
 _DEFAULTS = RuntimeConfig()  # the knob table's defaults (a Coordinator built without a config: tests)
@@ -243,9 +238,9 @@ class Coordinator:
             if cid is not None:
                 self._evict(state, cid)  # a full request for a cached name means its parameters changed
             if req.group_size:
-                group = _group_of(req)
-                if group is not None:
-                    self._note_group(state, req.name, *group)
+                group = group_of(req)
+                if group is not None and state.groups.note(req.name, *group):
+                    self._groups_to_check[(state.id, group[0])] = state
             self._add(state, req.name, rank, req, -1, now, blobs[req.inline] if req.inline >= 0 else None)
         if cached and (requests or not self._replay(rank, cached, blobs, now)):
             if self._parked is not None:
@@ -273,8 +268,9 @@ class Coordinator:
                 cache.move_to_end(cid)
             elif state is not None and cid in state.graveyard:
                 entry = state.graveyard[cid][0]
-                if entry.group is not None:  # (the entries of a base seen with a second size are evicted)
-                    self._note_group(state, entry.name, *entry.group)
+                if entry.group is not None and state.groups.note(entry.name, *entry.group):
+                    # (the entries of a base seen with a second size are evicted: their hits come this way)
+                    self._groups_to_check[(state.id, entry.group[0])] = state
             if entry is None:
                 log.error("rank %d referred to unknown cache entry %d of process set %d", rank, cid, ps_id)
                 self.shutdown_reason = f"protocol error: rank {rank} sent an unknown cache id"
@@ -434,9 +430,8 @@ class Coordinator:
         if submitted < len(state.ranks):
             return
         del state.pending[name]
-        group = state.group_names.get(name) if state.group_names else None
-        if group is not None:
-            self._group_settled(state, name)
+        groups = state.groups
+        group = groups.settled(name) if groups.names else None
         if self.timeline is not None:
             self.timeline.negotiate_end(name)
         data = pending.data if pending.data and len(pending.data) == len(pending.requests) else None
@@ -455,8 +450,8 @@ class Coordinator:
         elif response.type in _CACHEABLE and self.cache_capacity > 0 and ".noname." not in name and \
                 len(pending.requests) == len(state.ranks):  # unnamed tensors never repeat a name
             if group is None:  # (every request of it was a cache hit: none was counted)
-                group = _group_of(next(iter(pending.requests.values())))
-            if group is None or self._may_cache_group(state, group):
+                group = group_of(next(iter(pending.requests.values())))
+            if group is None or groups.may_cache(group):
                 response.cache_ids = [self._insert_cache(state, name, response, pending.requests, group)]
         self._ready.append((response, None, -1, data if response.type == RequestType.ALLREDUCE else None))
 
@@ -515,11 +510,7 @@ class Coordinator:
         state.cache[cid] = _CacheEntry(name, response, dict(requests), group)
         state.cache_by_name[name] = cid
         if group is not None:
-            counted = state.group_cached.get(group[0])
-            if counted is None:
-                state.group_cached[group[0]] = [group[1], 1]
-            else:
-                counted[1] += 1
+            state.groups.entry_cached(group)
         while len(state.cache) > self.cache_capacity:
             old = next(iter(state.cache))
             if not self._warned_eviction:
@@ -547,11 +538,7 @@ class Coordinator:
         if state.cache_by_name.get(entry.name) == cid:
             del state.cache_by_name[entry.name]
         if entry.group is not None:
-            counted = state.group_cached.get(entry.group[0])
-            if counted is not None:
-                counted[1] -= 1
-                if counted[1] <= 0:
-                    del state.group_cached[entry.group[0]]
+            state.groups.entry_evicted(entry.group)
         notice_seq = {}
         for r in state.ranks:
             self._evictions[r].append((state.id, cid))
@@ -559,87 +546,38 @@ class Coordinator:
         state.graveyard[cid] = (entry, notice_seq)
 
     # ------------------------------------------------------------------ grouped collectives
-    def _note_group(self, state: _SetState, name: str, base: str, size: int) -> None:
-        """A member name of a group arrived in a full request (or a hit on an evicted entry): count it among
-        the base's pending names, and have the base checked when another size of it is pending or cached."""
-        sizes = state.group_pending.get(base)
-        if sizes is None:
-            sizes = state.group_pending[base] = {}
-        if name not in state.group_names:  # (another rank's request named it first)
-            state.group_names[name] = (base, size)
-            sizes[size] = sizes.get(size, 0) + 1
-        cached = state.group_cached.get(base)
-        if len(sizes) > 1 or (cached is not None and cached[0] != size):
-            self._groups_to_check[(state.id, base)] = state
-
     def _check_groups(self) -> None:
+        """Check the bases noted with a second size (``_groups_to_check``), at the end of a batch."""
         while self._groups_to_check:  # (a check may unpark hits that note more)
             (_, base), state = self._groups_to_check.popitem()
             if self.sets.get(state.id) is state:
                 self._check_group(state, base)
 
-    def _group_settled(self, state: _SetState, name: str) -> None:
-        """A pending name counted by :meth:`_note_group` completed or failed."""
-        base, size = state.group_names.pop(name)
-        sizes = state.group_pending[base]
-        if sizes[size] > 1:
-            sizes[size] -= 1
-        else:
-            del sizes[size]
-            if not sizes:
-                del state.group_pending[base]
-
-    @staticmethod
-    def _may_cache_group(state: _SetState, group: tuple[str, int]) -> bool:
-        """A base is cached with one size at a time, and never once it was seen with two (see the module)."""
-        base, size = group
-        cached = state.group_cached.get(base)
-        return base not in state.varying and (cached is None or cached[0] == size)
-
     def _check_group(self, state: _SetState, base: str) -> None:
         """Fail every pending name of ``base`` on every member when the ranks grouped different numbers of
-        tensors under it -- once every member submitted its part, so that all of them get the error for the
-        same call and go on in step (a member that never submits is the stall inspector's)."""
-        sizes = set(state.group_pending.get(base, ()))
-        cached = state.group_cached.get(base)
-        if cached is not None:
-            sizes.add(cached[0])
-        if len(sizes) < 2:
+        tensors under it (:meth:`GroupSizes.mismatch` says when); first evict its cached members, whose hits
+        would bypass the check, and turn the waiting replay's hits into pending names like the others."""
+        groups = state.groups
+        checked = groups.vary(base)
+        if checked is None:
             return
-        if ".noname." not in base:  # (an unnamed base is never cached, nor repeated)
-            state.varying.add(base)
-        if cached is not None:  # later hits of these would bypass the check: evict them
-            n = cached[0]
-            for j in range(1, n + 1):
-                cid = state.cache_by_name.get(f"{base}_{j}of{n}")
-                if cid is not None:
-                    self._evict(state, cid)
+        sizes, cached_names = checked
+        for name in cached_names:
+            cid = state.cache_by_name.get(name)
+            if cid is not None:
+                self._evict(state, cid)
         if self._parked is not None:
-            self._unpark()  # its hits are pending names like the others
-        found: list[tuple[str, _Pending]] = []
-        by_rank: dict[int, set[int]] = {}
-        for n in sorted(sizes):
-            for j in range(1, n + 1):
-                name = f"{base}_{j}of{n}"
-                pending = state.pending.get(name)
-                if pending is not None:
-                    found.append((name, pending))
-                    for r in pending.requests:
-                        by_rank.setdefault(r, set()).add(n)
-        if not group_sizes_disagree(by_rank):
+            self._unpark()
+        failed = groups.mismatch(base, sizes, state.pending, state.ranks, self.joined)
+        if failed is None:
             return
-        if any(r not in by_rank and r not in self.joined for r in state.ranks):
-            return  # checked again when the missing members' parts arrive
-        rtype = next(iter(found[0][1].requests.values())).type
-        error = group_size_error(rtype, base, by_rank)
-        for name, _ in found:
+        names, error = failed
+        for name in names:
             del state.pending[name]
-            if name in state.group_names:
-                self._group_settled(state, name)
+            groups.settled(name)
             if self.timeline is not None:
                 self.timeline.negotiate_end(name)
-        self._ready.append((Response(RequestType.ERROR, state.id, [name for name, _ in found], error=error),
-                            None, -1, None))
+        self._ready.append((Response(RequestType.ERROR, state.id, names, error=error), None, -1, None))
 
     def _graveyard_pending(self) -> bool:
         return any(s.graveyard for s in self.sets.values())

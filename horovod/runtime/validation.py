@@ -1,9 +1,8 @@
 """Turn every rank's request for one tensor name into a response, or into upstream's exact error text.
 
 Pure functions of the requests, so they are unit-tested without any process.  Checks run in upstream's
-order; the first failure wins and becomes an ERROR response delivered to every member.  The names of a
-grouped collective (``<base>_<i>of<n>``) are checked across names too: :func:`group_base`,
-:func:`group_sizes_disagree` and :func:`group_size_error` serve the coordinator's group check.
+order; the first failure wins and becomes an ERROR response delivered to every member.  (Checks across the
+names of a grouped collective are :mod:`horovod.runtime.group_check`'s.)
 """
 
 from __future__ import annotations
@@ -11,8 +10,7 @@ from __future__ import annotations
 from horovod.base.reduce_ops import ReduceOp
 from horovod.runtime.messages import OP_DISPLAY, Request, RequestType, Response, dtype_name
 
-__all__ = ["build_response", "process_set_ranks_error", "shape_str", "group_base", "group_sizes_disagree",
-           "group_size_error"]
+__all__ = ["build_response", "process_set_ranks_error", "shape_str"]
 
 _SAME_SHAPE_TYPES = {RequestType.ALLREDUCE, RequestType.ADASUM, RequestType.BROADCAST,
                      RequestType.REDUCESCATTER}
@@ -163,52 +161,3 @@ def _gather_like(requests: list[Request], member_ranks: list[int], joined_here: 
         response.splits = [list(r.splits) for r in ordered]
     return response
 
-
-# ---------------------------------------------------------------------------------------- grouped collectives
-def group_base(name: str, group_size: int) -> str | None:
-    """The base of a grouped collective's member name ``<base>_<i>of<group_size>``; None when the name is not
-    of that form (a peer's malformed request: it is then checked as a plain tensor)."""
-    head, sep, tail = name.rpartition("_")
-    suffix = f"of{group_size}"
-    index = tail[:-len(suffix)]
-    if not sep or not tail.endswith(suffix) or not index.isascii() or not index.isdigit():
-        return None
-    return head if 1 <= int(index) <= group_size else None
-
-
-def group_sizes_disagree(sizes_by_rank: dict[int, set[int]]) -> bool:
-    """Whether two ranks have pending groups of one base and no size in common.
-
-    A rank may have several calls of one base in flight (asynchronous calls of different sizes); ranks that
-    submit them in the same order always share the size of the oldest call not yet complete, so only
-    disjoint sets are a mismatch."""
-    distinct = list({frozenset(s) for s in sizes_by_rank.values()})
-    return any(a.isdisjoint(b) for i, a in enumerate(distinct) for b in distinct[i + 1:])
-
-
-def _ranks_text(ranks: list[int]) -> str:
-    if len(ranks) == 1:
-        return f"rank {ranks[0]}"
-    shown = [str(r) for r in ranks[:8]]
-    if len(ranks) > 8:
-        return f"ranks {', '.join(shown)}, ... ({len(ranks)} ranks)"
-    return f"ranks {', '.join(shown[:-1])} and {shown[-1]}"
-
-
-def _tensors_text(sizes: frozenset[int]) -> str:
-    if len(sizes) == 1:
-        (n,) = sizes
-        return f"a group of {n} tensor{'s' if n != 1 else ''}"
-    return f"groups of {' and '.join(str(n) for n in sorted(sizes, reverse=True))} tensors"
-
-
-def group_size_error(rtype: int, base: str, sizes_by_rank: dict[int, set[int]]) -> str:
-    """The error of a grouped collective whose ranks passed different numbers of tensors under one name,
-    naming every rank and what it sent (upstream waits for the missing names forever)."""
-    by_sizes: dict[frozenset[int], list[int]] = {}
-    for rank in sorted(sizes_by_rank):
-        by_sizes.setdefault(frozenset(sizes_by_rank[rank]), []).append(rank)
-    parts = [f"{_ranks_text(ranks)} sent {_tensors_text(sizes)}" for sizes, ranks in by_sizes.items()]
-    said = ", ".join(parts[:-1]) + ", but " + parts[-1] if len(parts) > 1 else parts[0]
-    return (f"Mismatched grouped {OP_DISPLAY[rtype]} sizes for {base}: {said}. Every rank must pass the same "
-            "number of tensors to a grouped collective of one name.")

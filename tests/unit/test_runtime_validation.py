@@ -6,15 +6,9 @@ import numpy as np
 import pytest
 
 from horovod.base.reduce_ops import ReduceOp
+from horovod.runtime.group_check import group_base, group_size_error, group_sizes_disagree
 from horovod.runtime.messages import Request, RequestType, dtype_code
-from horovod.runtime.validation import (
-    build_response,
-    group_base,
-    group_size_error,
-    group_sizes_disagree,
-    process_set_ranks_error,
-    shape_str,
-)
+from horovod.runtime.validation import build_response, process_set_ranks_error, shape_str
 
 F32 = dtype_code(np.float32)
 I32 = dtype_code(np.int32)

@@ -20,6 +20,7 @@ from horovod.tensorflow.compression import Compression
 from horovod.tensorflow.mpi_ops import (
     Average,
     _normalize_name,
+    _tensor_name,
     allreduce,
     grouped_allreduce,
     set_size_tensor,
@@ -146,7 +147,7 @@ class GradientReducer:
             if use_generic_names:
                 name = f"{self.name}grad_{group[positions[0]]}_{group[positions[-1]]}"
             elif not tf.executing_eagerly() and self.name:
-                name = f"{_normalize_name(self.name)}_{_normalize_name(tensors[0].name)}_{len(tensors)}"
+                name = f"{_normalize_name(self.name)}_{_tensor_name(tensors[0])}_{len(tensors)}"
             reduced = grouped_allreduce(tensors, op=self.op, prescale_factor=pre, postscale_factor=post,
                                         process_set=self.process_set, name=name,
                                         ignore_name_scope=use_generic_names or self.ignore_name_scope)

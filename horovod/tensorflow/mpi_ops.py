@@ -70,17 +70,40 @@ def _normalize_name(name: str) -> str:
     return re.sub("[^a-zA-Z0-9_]", "_", name)
 
 
+def _tensor_name(tensor: tf.Tensor) -> str:
+    """``tensor``'s normalised name, for graph mode's automatic negotiation keys.
+
+    An eager tensor that a ``tf.function`` captures from outside has no name while the function is traced
+    (``Tensor.name`` raises AttributeError), and the placeholder that stands for it is named after an id of
+    this process, which may differ across ranks: it is called ``captured``, and ``graph.unique_name`` numbers
+    the keys in the order the function is traced, the same on every rank."""
+    try:
+        return _normalize_name(tensor.name)
+    except AttributeError:
+        return "captured"
+
+
 def _core_name(prefix: str, tensor, name: str | None, ignore_name_scope: bool) -> str | None:
     """The negotiation key: ``None`` in eager mode without a name (the engine numbers calls)."""
     if tf.executing_eagerly():
         return name
     if name is None:
-        name = f"{prefix}_{_normalize_name(tensor.name)}"
+        name = f"{prefix}_{_tensor_name(tensor)}"
     graph = tf.compat.v1.get_default_graph()
     full = graph.unique_name(name)
     if ignore_name_scope:
         full = full.rsplit("/", 1)[-1]
     return full
+
+
+def _group_core_name(prefix: str, tensors: list[tf.Tensor], name: str | None,
+                     ignore_name_scope: bool) -> str | None:
+    """The negotiation key of a grouped op: upstream's ``<prefix>_<first tensor>_<last tensor>`` in a graph
+    when no name is given (the tensors' names are read only then: see :func:`_tensor_name`)."""
+    if tf.executing_eagerly():
+        return name
+    return _core_name(prefix, tensors[0], name or f"{prefix}_{_tensor_name(tensors[0])}_{_tensor_name(tensors[-1])}",
+                      ignore_name_scope)
 
 
 def _set_size(process_set: ProcessSet) -> int:
@@ -363,7 +386,7 @@ def allreduce(tensor, average: bool | None = None, device_dense: str = "", devic
             raise NotImplementedError("Only Sum and Average ops are supported with tf.IndexedSlices")
         if prescale_factor != 1.0 or postscale_factor != 1.0:
             raise NotImplementedError("Pre/postscale_factor are not supported with tf.IndexedSlices")
-        base = name or (None if tf.executing_eagerly() else f"HorovodAllgather_{_normalize_name(tensor.values.name)}")
+        base = name or (None if tf.executing_eagerly() else f"HorovodAllgather_{_tensor_name(tensor.values)}")
         values = allgather(tensor.values, name=None if base is None else base + "_values",
                            process_set=process_set, ignore_name_scope=ignore_name_scope)
         indices = allgather(tensor.indices, name=None if base is None else base + "_indices",
@@ -408,12 +431,7 @@ def grouped_allreduce(tensors, average: bool | None = None, device_dense: str = 
         raise tf.errors.InvalidArgumentError(None, None,
                                              "Tensors in a grouped allreduce must all have the same dtype.")
     pairs = [compression.compress(t) for t in tensors]
-    if tf.executing_eagerly():
-        core = name
-    else:
-        first, last = _normalize_name(tensors[0].name), _normalize_name(tensors[-1].name)
-        core = _core_name("HorovodGroupedAllreduce", tensors[0], name or f"HorovodGroupedAllreduce_{first}_{last}",
-                          ignore_name_scope)
+    core = _group_core_name("HorovodGroupedAllreduce", tensors, name, ignore_name_scope)
 
     @_differentiable
     def fwd(*xs):
@@ -483,12 +501,7 @@ def grouped_allgather(tensors, name: str | None = None, ignore_name_scope: bool 
     if not tensors:
         return tensors
     tensors = [_as_tensor(t) for t in tensors]
-    if tf.executing_eagerly():
-        core = name
-    else:
-        first, last = _normalize_name(tensors[0].name), _normalize_name(tensors[-1].name)
-        core = _core_name("HorovodGroupedAllgather", tensors[0], name or f"HorovodGroupedAllgather_{first}_{last}",
-                          ignore_name_scope)
+    core = _group_core_name("HorovodGroupedAllgather", tensors, name, ignore_name_scope)
 
     @_differentiable
     def fwd(*xs):
@@ -653,12 +666,7 @@ def grouped_reducescatter(tensors, device_dense: str = "", compression=None, op:
     compression = compression or Compression.none
     _check_rs_op(op)
     tensors = [_as_tensor(t) for t in tensors]
-    if tf.executing_eagerly():
-        core = name
-    else:
-        first, last = _normalize_name(tensors[0].name), _normalize_name(tensors[-1].name)
-        core = _core_name("HorovodGroupedReducescatter", tensors[0],
-                          name or f"HorovodGroupedReducescatter_{first}_{last}", ignore_name_scope)
+    core = _group_core_name("HorovodGroupedReducescatter", tensors, name, ignore_name_scope)
     pairs = [compression.compress(t) for t in tensors]
 
     @_differentiable

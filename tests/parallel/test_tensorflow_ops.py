@@ -437,6 +437,52 @@ def test_alltoall_and_reducescatter(mode):
     np.testing.assert_allclose(got[1], (2 * sum(zs) / n)[start:start + rows[r]], rtol=1e-5)
 
 
+@pytest.mark.parametrize("named", [True, False], ids=["named", "unnamed"])
+def test_eager_tensors_captured_by_a_tf_function(named):
+    """Eager tensors made outside a ``tf.function`` and used inside it have no name while it is traced
+    (``Tensor.name`` raises AttributeError): a name given is all a collective needs, and without one the
+    automatic key calls them ``captured`` (their placeholders' names differ per process), numbered in the order
+    the function is traced, the same on every rank."""
+    r, n = hvd.rank(), hvd.size()
+    key = ("captured", named)
+    xs = [data((*key, "x"), j, (2 * n, 3), np.float32) for j in range(n)]
+    ys = [data((*key, "y"), j, (n + 1,), np.float32) for j in range(n)]
+    a, b = tf.constant(xs[r]), tf.constant(ys[r])
+    splits = tf.constant(np.full(n, 2, np.int32))
+    rows = tf.constant(np.arange(n + 1, dtype=np.int64) + r)
+
+    def name(op: str) -> str | None:
+        return f"captured.{op}" if named else None
+
+    @tf.function
+    def step():
+        sparse = hvd.allreduce(tf.IndexedSlices(b, rows, tf.constant([2 * n + 1], tf.int64)), op=hvd.Sum,
+                               name=name("sparse"))
+        return {"allreduce": hvd.allreduce(a, op=hvd.Sum, name=name("ar")),
+                "grouped_allreduce": hvd.grouped_allreduce([a, b], op=hvd.Sum, name=name("gar")),
+                "allgather": hvd.allgather(b, name=name("ag")),
+                "grouped_allgather": hvd.grouped_allgather([a, b], name=name("gag")),
+                "broadcast": hvd.broadcast(a, 0, name=name("bc")),
+                "alltoall": hvd.alltoall(a, splits=splits, name=name("a2a")),
+                "reducescatter": hvd.reducescatter(a, op=hvd.Sum, name=name("rs")),
+                "grouped_reducescatter": hvd.grouped_reducescatter([a, b], op=hvd.Sum, name=name("grs")),
+                "sparse": (sparse.values, sparse.indices)}
+
+    got = tf.nest.map_structure(lambda t: t.numpy(), step())
+    ga, gb = reducescatter_rows(2 * n, n), reducescatter_rows(n + 1, n)
+    sa, sb = sum(ga[:r]), sum(gb[:r])
+    expected = {"allreduce": sum(xs), "grouped_allreduce": [sum(xs), sum(ys)], "allgather": np.concatenate(ys),
+                "grouped_allgather": [np.concatenate(xs), np.concatenate(ys)], "broadcast": xs[0],
+                "alltoall": (np.concatenate([x[2 * r:2 * r + 2] for x in xs]), np.full(n, 2, np.int32)),
+                "reducescatter": sum(xs)[sa:sa + ga[r]],
+                "grouped_reducescatter": [sum(xs)[sa:sa + ga[r]], sum(ys)[sb:sb + gb[r]]],
+                "sparse": (np.concatenate(ys), np.concatenate([np.arange(n + 1) + j for j in range(n)]))}
+    assert got.keys() == expected.keys()
+    for op in expected:
+        tf.nest.map_structure(lambda g, e, op=op: np.testing.assert_array_equal(g, e, err_msg=op), got[op],
+                              expected[op])
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_process_sets(mode):
     """Collectives on a dynamic set of the even ranks (the driver sets HOROVOD_DYNAMIC_PROCESS_SETS=1)."""

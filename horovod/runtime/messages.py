@@ -4,7 +4,9 @@ The codec is fixed little-endian ``struct`` records — no pickle, no JSON: enco
 handful of C calls plus one small loop per full request, and a repeated step costs almost nothing: a cache
 hit travels as three int32s, and a response made only of entries every member has cached travels as its
 cache ids (the receiver rebuilds names, shapes and parameters from its own cache).  A malicious or
-corrupted frame can only fail validation, which raises :class:`~horovod.base.exceptions.WireError`.
+corrupted frame can only fail validation, which raises :class:`~horovod.base.exceptions.WireError`.  Any change
+of these layouts bumps :data:`horovod.transport.wire.VERSION`, so that ranks of different versions refuse each
+other by name when the mesh forms instead of misreading each other's records.
 
 Request batch (worker → coordinator)::
 

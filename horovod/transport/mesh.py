@@ -12,7 +12,12 @@ Handshake on every connection (frames of :mod:`horovod.transport.wire`)::
     client -> server  AUTH   rank u32, kind u8, c_nonce, HMAC(key, "client", s_nonce, c_nonce, info), scope
     server -> client  OK     HMAC(key, "server", c_nonce, s_nonce, info)
 
-``info`` binds the scope, both ranks and the channel kind, so a digest cannot be replayed elsewhere.  The
+``info`` binds the scope, both ranks and the channel kind, so a digest cannot be replayed elsewhere.
+These three frames (and ``REFUSED``) keep their layout in every wire version, and their header carries the
+sender's :data:`~horovod.transport.wire.VERSION`: a client greeted by another version still sends its proof
+(so that the server can believe it) and fails naming both versions; a server that verifies the proof of a
+rank of another version says so to it and ends the formation with the same error, at once on both sides.
+(A rank of version 1 fails with "unsupported frame version" on its side only; the other waits for it.)  The
 scope also travels in clear (it is no secret) so that a connection between two meshes -- e.g. generations
 ``init.4`` and ``init.5`` of ``hvd.init()``, when a port was reused -- is refused with both names instead
 of a bare authentication failure.  A server that refuses a proof says so (``REFUSED`` and a short reason)
@@ -48,6 +53,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from horovod import __version__
 from horovod.base import auth
 from horovod.base.config import read_env
 from horovod.base.exceptions import WireError
@@ -147,14 +153,21 @@ def _info(scope: str, client: int, server: int, kind: int) -> bytes:
     return f"{scope}|{client}->{server}|{_KIND_NAMES.get(kind, kind)}".encode()
 
 
+def _version_error(peer: int, peer_version: int, rank: int) -> WireError:
+    return WireError(f"rank {peer} runs a different horovod wire version ({peer_version}) than rank {rank} "
+                     f"(version {VERSION}, horovod {__version__}): every rank of a job must run the same horovod "
+                     "version")
+
+
 def _client_handshake(ch: Channel, key: bytes, scope: str, rank: int, server: int, kind: int) -> None:
     """Prove the key to rank ``server`` and check its proof.
 
     Raises:
-        WireError: the server is in another mesh, refused our proof, or failed to prove the key.
+        WireError: the server is in another mesh or runs another wire version, refused our proof, or failed to
+            prove the key.
         PeerFailure: the connection closed or timed out before the server answered (retryable).
     """
-    k, hello = ch.recv_msg(max_len=auth.NONCE_SIZE + _MAX_SCOPE)
+    version, k, hello = ch.recv_frame(max_len=auth.NONCE_SIZE + _MAX_SCOPE)
     if k != _HELLO or len(hello) < auth.NONCE_SIZE:
         raise WireError(f"rank {server} did not greet with a nonce")
     server_nonce, their_scope = hello[:auth.NONCE_SIZE], hello[auth.NONCE_SIZE:]
@@ -165,6 +178,15 @@ def _client_handshake(ch: Channel, key: bytes, scope: str, rank: int, server: in
     info = _info(scope, rank, server, kind)
     proof = auth.digest(key, b"client", server_nonce, client_nonce, info)
     ch.send_msg(_AUTH, _AUTH_FMT.pack(rank, kind, client_nonce, proof) + _scope_bytes(scope))
+    if version != VERSION:
+        # The proof tells the server which version we run; wait for its answer (a refusal) before closing,
+        # so that our close cannot discard the proof unread (an RST when bytes of the server are unread).
+        ch.settimeout(_PREAUTH_TIMEOUT)
+        try:
+            ch.recv_frame(max_len=max(auth.DIGEST_SIZE, _MAX_REASON))
+        except (PeerFailure, WireError):
+            pass
+        raise _version_error(server, version, rank)
     k, answer = ch.recv_msg(max_len=max(auth.DIGEST_SIZE, _MAX_REASON))
     if k == _REFUSED:
         raise WireError(f"rank {server} refused the connection of rank {rank}: {_shown(answer)} "
@@ -386,8 +408,8 @@ class _Acceptor(threading.Thread):
             return True
         try:
             if p.need == HEADER.size:
-                magic, version, kind, n = HEADER.unpack(p.buf)
-                if magic != MAGIC or version != VERSION or kind != _AUTH:
+                magic, _version, kind, n = HEADER.unpack(p.buf)
+                if magic != MAGIC or kind != _AUTH:  # (of any version: see the module)
                     raise _Refused(f"not an AUTH frame (header {_shown(bytes(p.buf))})")
                 if not _AUTH_FMT.size <= n <= _MAX_PREAUTH_BYTES - HEADER.size:
                     raise _Refused(f"AUTH frame of {n} bytes")
@@ -399,6 +421,11 @@ class _Acceptor(threading.Thread):
         except _Refused as e:
             self._refuse(p, str(e), answer=True)
             return False
+        version = HEADER.unpack_from(p.buf)[1]
+        if version != VERSION:  # a rank of this job (it proved the key) that cannot talk with us: end here
+            error = _version_error(client, version, self.rank)
+            self._refuse(p, str(error), answer=True)
+            raise error
         self._forget(p, close=False)
         ch = make_channel(p.sock, client, max(0.05, self.deadline - time.monotonic()))
         try:

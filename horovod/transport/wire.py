@@ -50,7 +50,11 @@ __all__ = ["Channel", "TlsChannel", "make_channel", "TruncatedFrame", "MAGIC", "
 logger = logging.getLogger(__name__)
 
 MAGIC = b"HV"
-VERSION = 1
+# The layout of every frame and record after the mesh handshake (this module's and the control plane's, in
+# horovod.runtime.messages): bump it with any change of them.  The handshake's frames keep their layout in
+# every version and carry the sender's VERSION, so that ranks of different versions name each other
+# (horovod.transport.mesh).  2: Request.group_size in the request record.
+VERSION = 2
 HEADER = struct.Struct("!2sBBI")
 MAX_FRAME = 256 * 1024 * 1024
 # Payloads up to this size are sent together with their header in one syscall.
@@ -175,17 +179,22 @@ class Channel:
 
     def recv_msg(self, max_len: int = MAX_FRAME) -> tuple[int, bytes]:
         """Receive one frame: ``(kind, payload)``; payloads over ``max_len`` are a WireError."""
+        version, kind, payload = self.recv_frame(max_len)
+        if version != VERSION:
+            raise WireError(f"unsupported frame version {version} from rank {self.peer}")
+        return kind, payload
+
+    def recv_frame(self, max_len: int = MAX_FRAME) -> tuple[int, int, bytes]:
+        """Receive one frame of any version: ``(version, kind, payload)`` (the handshake reads the peer's)."""
         self._recv_exact(self._hdr_view, "receiving a frame header")
         magic, version, kind, n = HEADER.unpack_from(self._hdr)
         if magic != MAGIC:
             raise WireError(f"bad frame magic {bytes(magic)!r} from rank {self.peer}")
-        if version != VERSION:
-            raise WireError(f"unsupported frame version {version} from rank {self.peer}")
         if n > max_len:
             raise WireError(f"frame of {n} bytes from rank {self.peer} exceeds the {max_len}-byte limit")
         if n == 0:
-            return kind, b""
-        return kind, self._recv_payload(n)
+            return version, kind, b""
+        return version, kind, self._recv_payload(n)
 
     def _recv_payload(self, n: int) -> bytes:
         try:

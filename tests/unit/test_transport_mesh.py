@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -10,12 +11,13 @@ import threading
 import time
 
 import pytest
+from transport_harness import FileStore, run_ranks
 
 from horovod.base.exceptions import WireError
 from horovod.transport import build_mesh
 from horovod.transport.mesh import advertise_address
 from horovod.transport.store import InMemoryStore
-from horovod.transport.wire import HEADER, Channel
+from horovod.transport.wire import HEADER, VERSION, Channel
 
 KEY = b"secret" * 4
 
@@ -177,3 +179,35 @@ def test_advertise_address():
     assert advertise_address("10.1.2.3") == "10.1.2.3"
     assert advertise_address(None, "127.0.0.1") == "127.0.0.1"
     assert advertise_address(None, None, "localhost").startswith("127.")
+
+
+def _speak_version(other_rank: int, version: int, rank: int, store: FileStore) -> None:
+    """``before_mesh`` of the harness: rank ``other_rank`` runs wire version ``version``."""
+    from horovod.transport import mesh, wire
+
+    if rank == other_rank:
+        wire.VERSION = mesh.VERSION = version
+
+
+def _never_reached(ctx) -> None:  # pragma: no cover - the mesh must not form
+    raise AssertionError("the mesh formed across wire versions")
+
+
+@pytest.mark.parametrize("other_rank,disable_shm", [(1, False), (0, False), (1, True)],
+                         ids=["client-newer", "server-newer", "client-newer-tcp"])
+def test_ranks_of_another_wire_version_name_it_at_once_on_both_sides(other_rank, disable_shm):
+    """Rank 0 accepts, rank 1 connects; one of them runs another wire version (a newer horovod).  Before,
+    the client failed with "unsupported frame version" and the server waited for the whole formation timeout
+    (20 s here) to say that rank 1 "did not connect".  Both name the versions now, within a round trip."""
+    other = VERSION + 1
+    started = time.monotonic()
+    got = run_ranks(2, _never_reached, before_mesh=functools.partial(_speak_version, other_rank, other),
+                    disable_shm=disable_shm, expect_fail={0, 1}, timeout=30.0)
+    assert time.monotonic() - started < 10.0  # (process start-up included)
+    mine = {other_rank: other, 1 - other_rank: VERSION}
+    for rank, peer in ((0, 1), (1, 0)):
+        status, trace, _ = got[rank]
+        assert status == "error", (rank, got[rank])
+        assert (f"WireError: rank {peer} runs a different horovod wire version ({mine[peer]}) than rank {rank} "
+                f"(version {mine[rank]}, horovod ") in trace, trace
+        assert "every rank of a job must run the same horovod version" in trace

@@ -147,23 +147,6 @@ class _SetState:
     graveyard: dict[int, tuple[_CacheEntry, dict[int, int]]] = field(default_factory=dict)
     groups: GroupSizes = field(default_factory=GroupSizes)  # sizes of grouped collectives (group_check)
 
-    # Read-only views of ``groups`` under their former names (the coordinator's unit tests read them).
-    @property
-    def group_names(self) -> dict[str, tuple[str, int]]:
-        return self.groups.names
-
-    @property
-    def group_pending(self) -> dict[str, dict[int, int]]:
-        return self.groups.pending
-
-    @property
-    def group_cached(self) -> dict[str, list[int]]:
-        return self.groups.cached
-
-    @property
-    def varying(self) -> set[str]:
-        return self.groups.varying
-
 
 _DEFAULTS = RuntimeConfig()  # the knob table's defaults (a Coordinator built without a config: tests)
 

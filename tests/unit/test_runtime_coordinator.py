@@ -828,7 +828,7 @@ def test_group_sizes_that_differ_fail_every_member_at_once(first):
     out = c.take_responses()
     for r in (0, 1):
         assert group_error(out, r) == (ALL5, G3_G2)
-    assert not c.sets[0].pending and not c.sets[0].group_names and not c.sets[0].group_pending
+    assert not c.sets[0].pending and not c.sets[0].groups.names and not c.sets[0].groups.pending
     submit_all(c, {0: grouped("g", 2), 1: grouped("g", 2)})  # the same name agreed on works
     assert [resp.type for resp in responses(c.take_responses(), 1)] == [RequestType.ALLREDUCE]
 
@@ -879,7 +879,7 @@ def test_group_size_change_on_one_rank_after_cached_steps(hits_first):
     out = c.take_responses()
     for r in (0, 1):
         assert group_error(out, r) == (ALL5, G3_G2)
-    assert "g" in c.sets[0].varying and not c.sets[0].group_cached
+    assert "g" in c.sets[0].groups.varying and not c.sets[0].groups.cached
 
 
 def test_names_that_only_look_grouped_are_plain_tensors():
@@ -909,7 +909,7 @@ def test_a_group_size_that_changes_on_every_rank_alike_is_no_error():
     submit_all(c, {0: grouped("g", 3), 1: grouped("g", 3)})
     [resp] = responses(c.take_responses(), 0)
     assert resp.type == RequestType.ALLREDUCE and set(resp.cache_ids) == {-1}
-    assert not c.sets[0].group_pending and not c.sets[0].group_names
+    assert not c.sets[0].groups.pending and not c.sets[0].groups.names
 
 
 def test_group_sizes_are_checked_per_process_set():

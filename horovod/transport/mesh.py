@@ -53,7 +53,6 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from horovod import __version__
 from horovod.base import auth
 from horovod.base.config import read_env
 from horovod.base.exceptions import WireError
@@ -155,8 +154,7 @@ def _info(scope: str, client: int, server: int, kind: int) -> bytes:
 
 def _version_error(peer: int, peer_version: int, rank: int) -> WireError:
     return WireError(f"rank {peer} runs a different horovod wire version ({peer_version}) than rank {rank} "
-                     f"(version {VERSION}, horovod {__version__}): every rank of a job must run the same horovod "
-                     "version")
+                     f"(version {VERSION}): every rank of a job must run the same horovod version")
 
 
 def _client_handshake(ch: Channel, key: bytes, scope: str, rank: int, server: int, kind: int) -> None:

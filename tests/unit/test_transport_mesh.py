@@ -209,5 +209,5 @@ def test_ranks_of_another_wire_version_name_it_at_once_on_both_sides(other_rank,
         status, trace, _ = got[rank]
         assert status == "error", (rank, got[rank])
         assert (f"WireError: rank {peer} runs a different horovod wire version ({mine[peer]}) than rank {rank} "
-                f"(version {mine[rank]}, horovod ") in trace, trace
+                f"(version {mine[rank]}): ") in trace, trace
         assert "every rank of a job must run the same horovod version" in trace

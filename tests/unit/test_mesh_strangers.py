@@ -25,13 +25,13 @@ from horovod.base.config import RuntimeConfig
 from horovod.transport import ReduceOp, build_mesh, make_communicator
 from horovod.transport.mesh import _MAX_PREAUTH, _MAX_PREAUTH_BYTES, _PREAUTH_TIMEOUT
 from horovod.transport.store import InMemoryStore
-from horovod.transport.wire import HEADER
+from horovod.transport.wire import HEADER, VERSION
 
 KEY = b"strangers" * 4
 SIZE = 3
 MESH_TIMEOUT = 8.0  # seconds for the whole formation, gate included
 # A plausible start of an AUTH frame (magic, version, kind, a length within the pre-auth bound).
-AUTH_HEADER = HEADER.pack(b"HV", 1, 0xF2, _MAX_PREAUTH_BYTES - HEADER.size)
+AUTH_HEADER = HEADER.pack(b"HV", VERSION, 0xF2, _MAX_PREAUTH_BYTES - HEADER.size)
 
 
 class _GatedStore:

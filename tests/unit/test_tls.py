@@ -36,7 +36,7 @@ from horovod.transport.communicator import PeerFailure, ReduceOp
 from horovod.transport.mesh import HEADER, build_mesh
 from horovod.transport.store import InMemoryStore, StoreClient, StoreError, sign_request
 from horovod.transport.tcp import TcpCommunicator
-from horovod.transport.wire import Channel, TlsChannel, Transfer, exchange
+from horovod.transport.wire import VERSION, Channel, TlsChannel, Transfer, exchange
 
 pytest.importorskip("cryptography", reason="pip install 'horovod[tls]'")
 
@@ -409,7 +409,7 @@ def test_strangers_refused_at_the_tls_handshake(job, other_job, caplog):
         addr = (rec["addr"], rec["port"])
 
         plain = socket.create_connection(addr, timeout=3)
-        plain.sendall(HEADER.pack(b"HV", 1, 0xF2, 100) + b"\0" * 100)  # an AUTH frame in clear
+        plain.sendall(HEADER.pack(b"HV", VERSION, 0xF2, 100) + b"\0" * 100)  # an AUTH frame in clear
         no_cert = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
         no_cert.check_hostname, no_cert.verify_mode = False, ssl.CERT_NONE
         foreign = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)

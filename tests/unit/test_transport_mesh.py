@@ -86,7 +86,7 @@ def _attack(store, caplog_records_expected):
     attempts.append(s)
     # 2. a well-formed frame with a huge length
     s = socket.create_connection(("127.0.0.1", rec["port"]))
-    s.sendall(HEADER.pack(b"HV", 1, 0xF2, 1 << 30))
+    s.sendall(HEADER.pack(b"HV", VERSION, 0xF2, 1 << 30))
     attempts.append(s)
     # 3. the right protocol with the wrong key, over AF_UNIX
     u = socket.socket(socket.AF_UNIX)

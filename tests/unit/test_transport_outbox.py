@@ -15,7 +15,7 @@ import pytest
 from horovod.base.exceptions import WireError
 from horovod.transport.communicator import PeerFailure
 from horovod.transport.outbox import Outbox
-from horovod.transport.wire import HEADER, Channel, FrameReader, TruncatedFrame
+from horovod.transport.wire import HEADER, VERSION, Channel, FrameReader, TruncatedFrame
 
 
 def _socket_pair(kind: str) -> tuple[socket.socket, socket.socket]:
@@ -49,7 +49,7 @@ def _frames(count: int, seed: int) -> list[tuple[int, bytes]]:
 
 
 def _wire(frames: list[tuple[int, bytes]]) -> bytes:
-    return b"".join(HEADER.pack(b"HV", 1, k, len(p)) + p for k, p in frames)
+    return b"".join(HEADER.pack(b"HV", VERSION, k, len(p)) + p for k, p in frames)
 
 
 def pump(outbox: Outbox, peer: int, sender: Channel, reader: FrameReader, want: int,
@@ -141,7 +141,7 @@ def test_frames_before_the_end_of_the_stream_come_first(pair):
 @pytest.mark.parametrize("cut", [3, HEADER.size + 4])
 def test_stream_ending_inside_a_frame_is_truncated(pair, cut):
     a, b = pair
-    a.sock.sendall((HEADER.pack(b"HV", 1, 2, 100) + b"x" * 100)[:cut])
+    a.sock.sendall((HEADER.pack(b"HV", VERSION, 2, 100) + b"x" * 100)[:cut])
     a.sock.shutdown(socket.SHUT_WR)
     reader = FrameReader(b)
     time.sleep(0.05)
@@ -151,9 +151,9 @@ def test_stream_ending_inside_a_frame_is_truncated(pair, cut):
 
 
 @pytest.mark.parametrize("header", [
-    b"XX" + bytes([1, 0]) + struct.pack("!I", 0),      # bad magic
+    b"XX" + bytes([VERSION, 0]) + struct.pack("!I", 0),      # bad magic
     b"HV" + bytes([9, 0]) + struct.pack("!I", 0),      # bad version
-    b"HV" + bytes([1, 0]) + struct.pack("!I", 4097),   # over the reader's limit: refused before allocating
+    b"HV" + bytes([VERSION, 0]) + struct.pack("!I", 4097),  # over the reader's limit: refused before allocating
 ])
 def test_malformed_headers_are_wire_errors(pair, header):
     a, b = pair

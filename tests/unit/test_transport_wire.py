@@ -14,7 +14,7 @@ import pytest
 
 from horovod.base.exceptions import WireError
 from horovod.transport.communicator import PeerFailure
-from horovod.transport.wire import HEADER, MAX_FRAME, Channel, Transfer, TruncatedFrame, exchange
+from horovod.transport.wire import HEADER, MAX_FRAME, VERSION, Channel, Transfer, TruncatedFrame, exchange
 
 
 @pytest.fixture(params=["unix", "tcp"])
@@ -62,9 +62,9 @@ def test_buffers_roundtrip_all_dtypes(pair):
 
 
 @pytest.mark.parametrize("header", [
-    b"XX" + bytes([1, 0]) + struct.pack("!I", 0),          # bad magic
+    b"XX" + bytes([VERSION, 0]) + struct.pack("!I", 0),          # bad magic
     b"HV" + bytes([9, 0]) + struct.pack("!I", 0),          # bad version
-    b"HV" + bytes([1, 0]) + struct.pack("!I", MAX_FRAME + 1),  # oversized
+    b"HV" + bytes([VERSION, 0]) + struct.pack("!I", MAX_FRAME + 1),  # oversized
 ])
 def test_malformed_frames_are_wire_errors(pair, header):
     a, b = pair
@@ -75,7 +75,7 @@ def test_malformed_frames_are_wire_errors(pair, header):
 
 def test_truncated_frame(pair):
     a, b = pair
-    a.sock.sendall(HEADER.pack(b"HV", 1, 2, 100) + b"only part")
+    a.sock.sendall(HEADER.pack(b"HV", VERSION, 2, 100) + b"only part")
     a.sock.shutdown(socket.SHUT_WR)
     with pytest.raises(WireError) as info:
         b.recv_msg()

@@ -274,7 +274,8 @@ def _run_mpi(job: JobSpec, hosts: list[hosts_mod.HostInfo], knobs: dict[str, str
              start_timeout: float, remote: Sequence[str] = ()) -> list[Any] | None:
     from horovod.runner import mpi_run
 
-    env = launcher_env(job.base_env(), knobs=knobs, start_timeout=start_timeout, nics=job.nics, tcp=job.tcp)
+    env = launcher_env(job.base_env(), knobs=knobs, start_timeout=start_timeout, nics=job.nics, tcp=job.tcp,
+                       unbuffered=False)
     mpi_args = " ".join(a for a in (job.mpi_args, job.binding_args) if a) or None
     assert job.num_proc is not None
 

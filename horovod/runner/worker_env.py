@@ -17,15 +17,22 @@ __all__ = ["worker_env", "launcher_env"]
 
 
 def launcher_env(base: Mapping[str, str], *, knobs: Mapping[str, str], start_timeout: float,
-                 nics: Sequence[str] = (), tcp: bool = False) -> dict[str, str]:
+                 nics: Sequence[str] = (), tcp: bool = False, unbuffered: bool = True) -> dict[str, str]:
     """What every worker of a job gets, whatever starts it (our spawner or ``mpirun``).
 
-    ``base`` (the user's environment), the knobs that were given, ``PYTHONUNBUFFERED``, the start deadline,
-    and the NCCL interface/TCP settings upstream exports.
+    ``base`` (the user's environment), the knobs that were given, ``PYTHONUNBUFFERED`` (only with
+    ``unbuffered``), the start deadline, and the NCCL interface/TCP settings upstream exports.
+
+    ``unbuffered=False`` is for ``mpirun``, as upstream: Open MPI's ``--tag-output`` tags every write(2) of a
+    rank, and an unbuffered ``print('a', 'b')`` is four writes, so its line came out cut into tagged pieces
+    (``...Loss: 2.33[1,0]<stdout>:...``).  Our own forwarder joins pieces into lines, so it keeps unbuffered
+    output (upstream's gloo launcher sets it too).  A ``PYTHONUNBUFFERED`` in ``base`` is kept either way.
     """
     env = dict(base)
     env.update(knobs)
-    env.update({"PYTHONUNBUFFERED": "1", "HOROVOD_START_TIMEOUT": config_mod.format_number(start_timeout)})
+    if unbuffered:
+        env["PYTHONUNBUFFERED"] = "1"
+    env["HOROVOD_START_TIMEOUT"] = config_mod.format_number(start_timeout)
     if nics:
         env["NCCL_SOCKET_IFNAME"] = ",".join(nics)
     if tcp:

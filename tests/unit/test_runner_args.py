@@ -263,3 +263,28 @@ def test_job_spec_is_the_one_job_object():
     imported = {node.module for node in ast.walk(ast.parse(inspect.getsource(driver)))
                 if isinstance(node, ast.ImportFrom)}
     assert "horovod.runner.launch" not in imported
+
+
+@pytest.mark.parametrize("user_value", [None, "1"])
+def test_mpirun_workers_keep_python_buffering(monkeypatch, user_value):
+    """Under ``--mpi`` the launcher no longer forces PYTHONUNBUFFERED (upstream sets it for gloo workers only):
+    mpirun's --tag-output tags each write(2), and an unbuffered print('a', 'b') is several writes, so a line of
+    upstream's pytorch_mnist.py came out as ``...Loss: 2.333871[1,0]<stdout>:Train...``.  A value the user
+    exported is still passed on."""
+    from horovod.runner import launch, mpi_run
+
+    seen: dict = {}
+
+    def fake_exec(cmd: str, env: dict) -> None:
+        seen.update(env=env, cmd=cmd)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(mpi_run, "exec_mpirun", fake_exec)
+    if user_value is None:
+        monkeypatch.delenv("PYTHONUNBUFFERED", raising=False)
+    else:
+        monkeypatch.setenv("PYTHONUNBUFFERED", user_value)
+    with pytest.raises(SystemExit):
+        launch.run_commandline(["--mpi", "-np", "2", "python", "train.py"])
+    assert seen["env"].get("PYTHONUNBUFFERED") == user_value
+    assert seen["env"]["HOROVOD_START_TIMEOUT"] == "30"

@@ -580,6 +580,9 @@ class Coordinator:
         state = self.sets[0]
         for name, pending in list(state.pending.items()):
             self._check_ready(state, name, pending)
+        for st in self.sets.values():  # a mismatch that waited only for this rank's part fails now
+            for base in st.groups.pending:
+                self._groups_to_check[(st.id, base)] = st
         if len(self.joined) == self.size:
             self._ready.append((Response(RequestType.JOIN, 0, ["join.noname"],
                                          last_joined_rank=self.last_joined), None, -1, None))

@@ -912,6 +912,23 @@ def test_a_group_size_that_changes_on_every_rank_alike_is_no_error():
     assert not c.sets[0].groups.pending and not c.sets[0].groups.names
 
 
+def test_a_group_mismatch_waiting_for_a_rank_fails_when_that_rank_joins():
+    """Ranks 0 and 1 disagree while rank 2 has not sent its part; rank 2 then joins instead: the error is due
+    now (before, nothing rechecked the base and ranks 0 and 1 waited for the stall deadline)."""
+    c = make(size=3, sets={0: [0, 1, 2], 1: [0, 1, 2]})
+    submit_all(c, {0: grouped("g", 2) + grouped("h", 2, ps=1), 1: grouped("g", 1) + grouped("h", 1, ps=1)})
+    assert c.take_responses() == {}
+    c.submit(2, 0, None, [join_req()], [])
+    out = c.take_responses()
+    text = ("Mismatched grouped ALLREDUCE sizes for {}: rank 0 sent a group of 2 tensors, but rank 1 sent a group "
+            "of 1 tensor. Every rank must pass the same number of tensors to a grouped collective of one name.")
+    for r in range(3):
+        got = sorted((resp.process_set_id, sorted(resp.names), resp.error) for resp in responses(out, r))
+        assert got == [(0, ["g_1of1", "g_1of2", "g_2of2"], text.format("g")),
+                       (1, ["h_1of1", "h_1of2", "h_2of2"], text.format("h"))]
+    assert not c.sets[0].pending and not c.sets[1].pending
+
+
 def test_group_sizes_are_checked_per_process_set():
     c = make(size=3, sets={0: [0, 1, 2], 1: [0, 1]})
     c.submit(0, 0, None, grouped("g", 3, ps=1) + grouped("g", 2, ps=0), [])

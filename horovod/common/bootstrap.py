@@ -128,14 +128,28 @@ def elastic_mesh():
 
 
 def use_mpi(comm) -> bool:
-    """MPI bootstraps the job: an mpi4py communicator was passed, or mpirun/srun started this process."""
+    """MPI bootstraps the job: an mpi4py communicator was passed, or mpirun/srun started this process.
+
+    Raises:
+        ValueError: HOROVOD_CONTROLLER=gloo without horovodrun in a launch of several processes (srun -n 2,
+            mpirun -np 2): nothing would connect them, and each would run alone as rank 0 of size 1.
+    """
     if comm is not None and not isinstance(comm, (list, tuple)):
         return True
-    if is_set("HOROVOD_RANK") or read_env("HOROVOD_CONTROLLER") == "gloo":
+    if is_set("HOROVOD_RANK"):
         return False
     from horovod.transport.mpi import detect_launch, slurm_without_pmi
 
     launch = detect_launch()
+    if read_env("HOROVOD_CONTROLLER") == "gloo":
+        if launch is not None and launch.size > 1:
+            raise ValueError(
+                f"{launch.kind} started {launch.size} processes (this is rank {launch.rank}) with "
+                "HOROVOD_CONTROLLER=gloo, but only horovodrun connects Gloo ranks: each process would run alone "
+                "as rank 0 of size 1.  Unset HOROVOD_CONTROLLER to bootstrap through MPI"
+                + (" (with srun --mpi=pmix)" if launch.kind == "slurm" else "") + ", or start the job with "
+                "horovodrun.")
+        return False
     # A one-task srun step without PMI is a single process: run it as one, without MPI (Open MPI's MPI_Init
     # would end it: `srun python train.py` on a cluster whose MpiDefault is none).
     return launch is not None and not (launch.size == 1 and slurm_without_pmi(launch))

@@ -1,0 +1,54 @@
+"""HOROVOD_CONTROLLER=gloo in a process that srun/mpirun started (no horovodrun): nothing connects the processes,
+so before each one ran alone as rank 0 of size 1; a launch of several processes is refused naming the fix."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from horovod.common import bootstrap
+
+SLURM_TWO = {"SLURM_PROCID": "1", "SLURM_STEP_NUM_TASKS": "2", "SLURM_LOCALID": "1", "SLURM_NODEID": "0",
+             "SLURM_STEP_TASKS_PER_NODE": "2"}
+OMPI_TWO = {"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "2"}
+_CLEARED = ("HOROVOD_RANK", "HOROVOD_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "PMI_RANK", "PMI_SIZE",
+            "SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "PMIX_RANK", "PMIX_NAMESPACE", "PMI_FD")
+
+
+@pytest.fixture
+def env(monkeypatch):
+    for name in _CLEARED:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOROVOD_CONTROLLER", "gloo")
+    return monkeypatch
+
+
+@pytest.mark.parametrize("launch, text", [
+    (SLURM_TWO, "slurm started 2 processes (this is rank 1) with HOROVOD_CONTROLLER=gloo, but only horovodrun "
+                "connects Gloo ranks: each process would run alone as rank 0 of size 1.  Unset HOROVOD_CONTROLLER "
+                "to bootstrap through MPI (with srun --mpi=pmix), or start the job with horovodrun."),
+    (OMPI_TWO, "openmpi started 2 processes (this is rank 0) with HOROVOD_CONTROLLER=gloo, but only horovodrun "
+               "connects Gloo ranks: each process would run alone as rank 0 of size 1.  Unset HOROVOD_CONTROLLER "
+               "to bootstrap through MPI, or start the job with horovodrun."),
+])
+def test_gloo_controller_in_a_launch_of_several_processes_is_refused(env, launch, text):
+    for name, value in launch.items():
+        env.setenv(name, value)
+    start = time.monotonic()
+    with pytest.raises(ValueError) as info:
+        bootstrap.use_mpi(None)
+    assert str(info.value) == text
+    assert time.monotonic() - start < 1.0
+
+
+def test_gloo_controller_alone_or_under_horovodrun_still_runs_without_mpi(env):
+    assert bootstrap.use_mpi(None) is False  # no launcher: a single process
+    for name, value in dict(SLURM_TWO, SLURM_PROCID="0", SLURM_STEP_NUM_TASKS="1").items():
+        env.setenv(name, value)
+    assert bootstrap.use_mpi(None) is False  # srun -n 1
+    for name, value in SLURM_TWO.items():
+        env.setenv(name, value)
+    env.setenv("HOROVOD_RANK", "1")
+    env.setenv("HOROVOD_SIZE", "2")
+    assert bootstrap.use_mpi(None) is False  # horovodrun's workers inside an srun step

@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import random
 import reprlib
 import threading
 import time
@@ -47,7 +48,7 @@ from horovod.runner.elastic.discovery import HostDiscovery
 from horovod.runner.elastic.driver import ElasticDriver, _Worker
 from horovod.runner.hosts import SlotInfo
 
-__all__ = ["RayHostDiscovery", "ElasticRayExecutor", "ElasticSettings"]
+__all__ = ["RayHostDiscovery", "TestDiscovery", "ElasticRayExecutor", "ElasticSettings"]
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +79,81 @@ class RayHostDiscovery(HostDiscovery):
             if slots:
                 found[node["NodeID"]] = slots
         return found
+
+
+
+class TestDiscovery(RayHostDiscovery):
+    """Upstream's discovery for trying elastic jobs: hides and restores Ray nodes every so often.
+
+    Every ``change_frequency_s`` seconds one node is hidden from (or given back to) the elastic driver, at
+    random, keeping between ``min_hosts`` and ``max_hosts`` nodes visible, so a job on a fixed cluster sees
+    hosts leave and join (upstream's ``examples/ray/basic_ray_elastic.py``).  A hidden node's workers are
+    stopped by the driver as for a node that left.  Hosts are node ids (module doc).
+
+    ``_graceful=False`` asked upstream to kill the node itself through Ray's autoscaler (its cluster config
+    ``~/ray_bootstrap_config.yaml``); that is not provided: a ``NotImplementedError`` says so here rather
+    than when the first node is removed, minutes into the job.
+    """
+
+    __test__ = False  # a library class, not a pytest test
+
+    def __init__(self, min_hosts: int, max_hosts: int, change_frequency_s: float, use_gpu: bool = False,
+                 cpus_per_slot: int = 1, gpus_per_slot: int = 1, verbose: bool = True,
+                 _graceful: bool = True) -> None:
+        if not _graceful:
+            raise NotImplementedError(
+                "TestDiscovery(_graceful=False) kills nodes through Ray's autoscaler in upstream Horovod; "
+                "not provided here: use the default _graceful=True, which hides nodes from the job instead")
+        super().__init__(use_gpu=use_gpu, cpus_per_slot=cpus_per_slot, gpus_per_slot=gpus_per_slot)
+        self._min_hosts = min_hosts
+        self._max_hosts = max_hosts
+        self._change_frequency_s = change_frequency_s
+        self._graceful = _graceful
+        self.verbose = verbose
+        self._last_reset_t: float | None = None
+        self._removed_hosts: set[str] = set()
+
+    def add_host(self, hosts: dict[str, int]) -> None:
+        """Give a hidden node that is still alive back to the job (a message when there is none)."""
+        hidden = sorted(self._removed_hosts & hosts.keys())
+        if hidden:
+            self._removed_hosts.remove(random.choice(hidden))
+        else:
+            print("No hosts to add.")
+
+    def remove_host(self, hosts: dict[str, int]) -> None:
+        """Hide one visible node from the job (nothing when every node is hidden already)."""
+        visible = [h for h in hosts if h not in self._removed_hosts]
+        if visible:
+            self._removed_hosts.add(random.choice(visible))
+
+    def change_hosts(self, hosts: dict[str, int]) -> None:
+        """One change: grow at ``min_hosts`` or below, shrink at ``max_hosts`` or above, else either."""
+        self._removed_hosts &= hosts.keys()  # nodes that really left are no longer "hidden"
+        current = len(hosts) - len(self._removed_hosts)
+        if current <= self._min_hosts:
+            self.add_host(hosts)
+        elif current >= self._max_hosts:
+            self.remove_host(hosts)
+        elif random.random() < 0.5:
+            self.add_host(hosts)
+        else:
+            self.remove_host(hosts)
+
+    def find_available_hosts_and_slots(self) -> dict[str, int]:
+        """The alive nodes less the hidden ones, after a change when ``change_frequency_s`` has passed."""
+        now = time.time()
+        if self._last_reset_t is None:
+            self._last_reset_t = now
+        hosts = super().find_available_hosts_and_slots()
+        if now - self._last_reset_t >= self._change_frequency_s:
+            self.change_hosts(hosts)
+            self._last_reset_t = now
+        remaining = {h: n for h, n in hosts.items() if h not in self._removed_hosts}
+        if self.verbose:
+            print(f"Total hosts: {len(hosts)}")
+            print(f"Remaining hosts: {len(remaining)} -- {remaining}")
+        return remaining
 
 
 @dataclasses.dataclass

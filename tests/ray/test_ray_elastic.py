@@ -38,6 +38,7 @@ except ImportError:
                 "failure", allow_module_level=True)
 
 from horovod.ray import ElasticRayExecutor, RayExecutor, RayHostDiscovery  # noqa: E402
+from horovod.ray.elastic import TestDiscovery  # noqa: E402
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 pytestmark = pytest.mark.timeout(300)
@@ -360,3 +361,21 @@ def test_discovery_counts_slots(cluster):
     assert sorted(found.values()) == [2, 2]
     assert RayHostDiscovery(cpus_per_slot=2).find_available_hosts_and_slots() == {k: 1 for k in found}
     assert RayHostDiscovery(use_gpu=True).find_available_hosts_and_slots() == {}  # no GPUs: no slots
+
+
+def test_test_discovery_hides_and_restores_nodes(cluster, capsys):
+    # upstream's examples/ray/basic_ray_elastic.py imports it; with 2 nodes, min 1 and max 2 the rule is
+    # deterministic: at the max one node is hidden, at the min one comes back
+    nodes = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+    d = TestDiscovery(min_hosts=1, max_hosts=2, change_frequency_s=0, cpus_per_slot=1)
+    seen = [d.find_available_hosts_and_slots() for _ in range(4)]
+    assert [len(s) for s in seen] == [1, 2, 1, 2]
+    assert all(set(s) <= nodes and set(s.values()) == {2} for s in seen)
+    assert set(seen[1]) == nodes
+    assert "Remaining hosts: 1" in capsys.readouterr().out
+    quiet = TestDiscovery(min_hosts=2, max_hosts=5, change_frequency_s=3600, verbose=False)
+    assert set(quiet.find_available_hosts_and_slots()) == nodes  # no change before change_frequency_s
+    assert capsys.readouterr().out == ""
+    with pytest.raises(NotImplementedError, match="_graceful=True"):
+        TestDiscovery(min_hosts=1, max_hosts=2, change_frequency_s=1, _graceful=False)
+

@@ -346,6 +346,9 @@ class _RayElasticDriver(ElasticDriver):
 
         def wait() -> None:
             code = proc.wait()
+            # A process that ends frees its CPUs; an actor holds them until killed, so a successor on this
+            # node (its host removed and restored, or back from a cooldown) could never be scheduled.
+            proc.kill()
             if code and proc.error is not None:
                 self.failures.append((slot, s.rank, proc.error))
             self._exits.put((worker, code))

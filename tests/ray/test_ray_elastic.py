@@ -379,3 +379,14 @@ def test_test_discovery_hides_and_restores_nodes(cluster, capsys):
     with pytest.raises(NotImplementedError, match="_graceful=True"):
         TestDiscovery(min_hosts=1, max_hosts=2, change_frequency_s=1, _graceful=False)
 
+
+def test_job_under_test_discovery_keeps_every_sample_once(cluster, tmp_path):
+    settings = ElasticRayExecutor.create_settings(min_num_proc=2, elastic_timeout=60, timeout_s=30, verbose=2)
+    settings.discovery = TestDiscovery(min_hosts=1, max_hosts=2, change_frequency_s=1, cpus_per_slot=1,
+                                       verbose=False)
+    ex = ElasticRayExecutor(settings, cpus_per_slot=1, override_discovery=False)
+    ex.start()
+    results = ex.run(lambda: _train(200, 2, 2, 0.05, str(tmp_path)))
+    size = results[0]["size"]
+    _check_exact(results, 200, 2, size)
+    assert len(results[0]["sizes"]) > 1 and set(results[0]["sizes"]) <= {2, 4}, results[0]["sizes"]

@@ -59,3 +59,64 @@ def test_timestamp_prefix():
 
 def test_empty_stream():
     assert _forward([]) == ([], b"")
+
+
+_KERAS_CHUNKS = [
+    b"Epoch 1/2\n1/3 [=>",                       # a whole line, then a partial one split mid-line
+    b"....] - ETA: 1s",                           # the rest of the partial line, still no line end
+    b"\b\b\b\r2/3 [==>...] - ETA: 0s",            # Keras' dynamic update: backspaces, \r, the next bar
+    b"\b\b\b\r3/3 [====] - 1s\nEpoch 2/2\nok\n",  # the last update ends the line; more lines in one chunk
+    b"no newline at EOF",
+]
+_TS = "Mon Dec  4 12:00:01 2023"
+
+
+@pytest.mark.parametrize("timestamp", [False, True])
+def test_every_line_gets_exactly_one_prefix(monkeypatch, timestamp):
+    """Keras-style progress output, split mid-line: one ``[rank]<stdout>:`` (with the time) per line."""
+    monkeypatch.setattr("horovod.runner.output.time.asctime", lambda *a: _TS)
+    items, raw = _forward(_KERAS_CHUNKS, timestamp=timestamp)
+    tag = (_TS if timestamp else "") + "[7]<stdout>:"
+    assert "".join(items) == "".join(tag + line for line in [
+        "Epoch 1/2\n", "1/3 [=>....] - ETA: 1s\b\b\b\r", "2/3 [==>...] - ETA: 0s\b\b\b\r", "3/3 [====] - 1s\n",
+        "Epoch 2/2\n", "ok\n", "no newline at EOF\n"])
+    assert all(item.count(tag) == 1 and item.startswith(tag) for item in items)
+    assert raw == b"".join(_KERAS_CHUNKS)
+
+
+def test_spark_relay_keeps_one_prefix_per_line(monkeypatch):
+    """horovod.spark's path (task's forwarder -> Outbox -> store -> driver's _Output) adds no second prefix."""
+    from horovod.spark import runner as spark_runner
+    from horovod.spark import task as spark_task
+
+    class _Store(dict):
+        def put(self, key, value):
+            self[key] = value
+
+        def get(self, key, default=None):
+            return dict.get(self, key, default)
+
+        def delete(self, key):
+            self.pop(key, None)
+
+    monkeypatch.setattr("horovod.runner.output.time.asctime", lambda *a: _TS)
+    monkeypatch.setattr(spark_task, "OUTPUT_CHUNK_BYTES", 1)   # every forwarded line is a chunk of its own
+    store, out, err = _Store(), io.StringIO(), io.StringIO()
+    outbox = spark_task.Outbox(store, lambda seq: spark_task.output_key(0, seq), "rank 0")
+    r, w = os.pipe()
+    with os.fdopen(r, "rb") as src:
+        t = threading.Thread(target=forward_stream, args=(src, spark_task._StreamSink("stdout", outbox), 0, "stdout"),
+                             kwargs={"timestamp": True})
+        t.start()
+        for chunk in _KERAS_CHUNKS:
+            os.write(w, chunk)
+            threading.Event().wait(0.01)
+        os.close(w)
+        t.join(timeout=10)
+    outbox.close()
+    spark_runner._Output(store, 1, out, err).drain()
+    tag = _TS + "[0]<stdout>:"
+    assert out.getvalue() == "".join(tag + line for line in [
+        "Epoch 1/2\n", "1/3 [=>....] - ETA: 1s\b\b\b\r", "2/3 [==>...] - ETA: 0s\b\b\b\r", "3/3 [====] - 1s\n",
+        "Epoch 2/2\n", "ok\n", "no newline at EOF\n"])
+    assert err.getvalue() == ""

@@ -43,7 +43,8 @@ def main(mode: str) -> None:
     rank = hvd.rank()
     out: dict = {"rank": rank, "size": hvd.size(), "local_rank": hvd.local_rank(),
                  "local_size": hvd.local_size(), "cross_size": hvd.cross_size(), "mpi": hvd.mpi_enabled(),
-                 "slurm_procid": os.environ.get("SLURM_PROCID"), "slurm_job": os.environ.get("SLURM_JOB_ID")}
+                 "slurm_procid": os.environ.get("SLURM_PROCID"), "slurm_job": os.environ.get("SLURM_JOB_ID"),
+                 "slurm_node": os.environ.get("SLURMD_NODENAME"), "netns": os.readlink("/proc/self/ns/net")}
     if mode == "numpy":
         mine = np.arange(5, dtype=np.float64) * (rank + 1)
         out["sum"] = hvd.allreduce(mine, op=hvd.Sum, name="sum").tolist()

@@ -1,6 +1,8 @@
 """Real Slurm jobs on the one-node cluster of ``.ci/slurm_cluster.sh`` (Debian's slurm-wlm 22.05, munge,
 Debian's Open MPI 4.1 with PMIx 4.2): ``srun --mpi=pmix``, an ``sbatch`` script as users write it, and what
-a careless user does (``srun`` without ``--mpi``, ``horovodrun`` inside an allocation).
+a careless user does (``srun`` without ``--mpi``, ``horovodrun`` inside an allocation).  With the
+network-namespace hosts of ``.ci/netns_hosts.sh`` up, the cluster also has a two-node partition ``hosts``
+(a slurmd in each of two namespaces): ``srun -N 2`` there runs one task per "host", connected across the bridge.
 
 The cluster is started here when Slurm is installed and we are root (the script is idempotent); otherwise
 the tests skip, unless ``HOROVOD_TEST_REQUIRE_SLURM=1`` (CI) makes that a failure.  Every job has a Slurm
@@ -185,4 +187,35 @@ def test_torchrun_in_an_srun_step(slurm):
     _ok(proc)
     res = results(proc.stdout)
     check_layout(res, mpi=False)
+    check_numpy(res)
+
+
+@pytest.fixture(scope="module")
+def hosts_partition(slurm) -> None:
+    """The two-node partition ``hosts`` (nodes in the namespaces of .ci/netns_hosts.sh, run before the cluster)."""
+    proc = subprocess.run(["sinfo", "-h", "-p", "hosts", "-o", "%D %t"], capture_output=True, text=True, timeout=30)
+    if not proc.stdout.strip():
+        reason = ("no Slurm partition 'hosts': .ci/netns_hosts.sh up, then .ci/slurm_cluster.sh up, gives the "
+                  "cluster a slurmd in each of two network-namespace hosts")
+        if os.environ.get("HOROVOD_TEST_REQUIRE_MULTIHOST") == "1" and \
+                os.environ.get("HOROVOD_TEST_REQUIRE_SLURM") == "1":
+            pytest.fail(f"multi-node Slurm tests required but unavailable: {reason}")
+        pytest.skip(reason)
+
+
+@pytest.mark.timeout(90)
+def test_srun_two_nodes_pmix_numpy(hosts_partition):
+    """``srun -N 2 -n 2 --mpi=pmix`` on two nodes (network namespaces): one task per node, each its own
+    network, Open MPI wired by Slurm's PMIx across nodes and Horovod's collectives across the bridge."""
+    proc = srun("-p", "hosts", "-N", "2", "-n", "2", "--mpi=pmix", sys.executable, WORKER, "numpy")
+    _ok(proc)
+    res = results(proc.stdout)
+    assert [r["rank"] for r in res] == [0, 1], res
+    for r in res:
+        assert (r["size"], r["local_rank"], r["local_size"], r["cross_size"], r["mpi"]) == \
+            (2, 0, 1, 2, True), r
+    assert [r["slurm_procid"] for r in res] == ["0", "1"]
+    assert len({r["slurm_job"] for r in res}) == 1 and res[0]["slurm_job"], res
+    assert sorted(r["slurm_node"] for r in res) == ["hvdh1", "hvdh2"], res
+    assert len({r["netns"] for r in res} | {os.readlink("/proc/self/ns/net")}) == 3, res
     check_numpy(res)

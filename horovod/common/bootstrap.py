@@ -105,7 +105,7 @@ def join_torchrun(comm=None) -> None:
 
     An MPI ``comm`` (``init(comm=...)``) whose size is not torchrun's world is refused first, before any rank
     waits for the others (:func:`check_comm_matches_launch`)."""
-    from horovod.common import torchrun
+    from horovod.common import store_join, torchrun
 
     launch = torchrun.detect()
     if launch is None:
@@ -114,7 +114,7 @@ def join_torchrun(comm=None) -> None:
 
     if detect_launch() is None:
         check_comm_matches_launch(comm, launch.world_size, launch.rank, "torchrun")
-    torchrun.join(launch)
+    store_join.join(launch)
 
 
 def elastic_mesh():

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from horovod.base.config import EnvVarError
-from horovod.common import torchrun
+from horovod.common import store_join, torchrun
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
@@ -217,7 +217,7 @@ def test_env_only_one_host_generated_key(tmp_path):
     _check_collectives(results, 3)
     assert [d["layout"][2:] for d in results] == [[r, 3, 0, 1] for r in range(3)]
     assert all(d["key_in_env"] for d in results)
-    left = os.listdir(os.path.dirname(torchrun.key_file_path(_tr(1))))
+    left = os.listdir(os.path.dirname(store_join.key_file_path(_tr(1))))
     assert not [f for f in left if f.endswith(".json")], left
 
 
@@ -259,8 +259,8 @@ def test_env_only_with_tls_credentials(tmp_path):
 def test_stale_key_file_of_an_earlier_job(tmp_path):
     """A key file left by a killed job with the same run id and port: the ranks wait for rank 0's fresh one."""
     port = _free_port()
-    tr = torchrun.TorchrunEnv("127.0.0.1", port, 1, 2, 1, 2, run_id="stale-run")
-    path = torchrun.key_file_path(tr)
+    tr = torchrun.make_env("127.0.0.1", port, 1, 2, 1, 2, run_id="stale-run")
+    path = store_join.key_file_path(tr)
     with open(path, "w") as f:  # an old store's key and a port where nothing listens now
         json.dump({"addr": "127.0.0.1", "port": _free_port(), "key": secrets.token_hex(32), "pid": 1}, f)
     os.chmod(path, 0o600)
@@ -275,8 +275,8 @@ def test_stale_key_file_of_an_earlier_job(tmp_path):
             os.unlink(path)
 
 
-def _tr(rank: int, **kw) -> torchrun.TorchrunEnv:
-    return torchrun.TorchrunEnv("127.0.0.1", 29500, rank, 3, rank, 3, **kw)
+def _tr(rank: int, **kw) -> store_join.JoinEnv:
+    return torchrun.make_env("127.0.0.1", 29500, rank, 3, rank, 3, **kw)
 
 
 # ------------------------------------------------------------------------------------------ errors
@@ -367,7 +367,7 @@ def test_detection_precedence():
                             "HOROVOD_GLOO_RENDEZVOUS_ADDR": "10.0.0.1"}) is None
     tr = torchrun.detect({**BASE, "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "0",
                           "TORCHELASTIC_RUN_ID": "abc", "TORCHELASTIC_RESTART_COUNT": "2"})
-    assert tr == torchrun.TorchrunEnv("10.0.0.1", 29500, 1, 4, 1, 2, 0, "abc", 2)
+    assert tr == torchrun.make_env("10.0.0.1", 29500, 1, 4, 1, 2, 0, "abc", 2)
     assert not tr.one_host
 
 
@@ -380,35 +380,35 @@ def test_layout_cross_ranks_like_upstream():
     # upstream's 5/4/3 hosts: cross_size of local rank 0 is 3, of local rank 3 is 2, of local rank 4 is 1
     nodes = ["a"] * 5 + ["b"] * 4 + ["c"] * 3
     recs = [_rec(r, h, world_size=12) for r, h in enumerate(nodes)]
-    layout = torchrun._layout(recs, 12)
+    layout = store_join._layout(recs, 12)
     assert layout[0] == [0, 5, 0, 3] and layout[5] == [0, 4, 1, 3] and layout[9] == [0, 3, 2, 3]
     assert layout[4] == [4, 5, 0, 1] and layout[8] == [3, 4, 1, 2]
     given = [_rec(r, f"group {r // 2}", r % 2, 2, 4) for r in range(4)]
-    assert torchrun._layout(given, 4) == [[0, 2, 0, 2], [1, 2, 0, 2], [0, 2, 1, 2], [1, 2, 1, 2]]
+    assert store_join._layout(given, 4) == [[0, 2, 0, 2], [1, 2, 0, 2], [0, 2, 1, 2], [1, 2, 1, 2]]
 
 
 def test_layout_errors():
     bad = [_rec(0, "g0", 0, 2, 4), _rec(1, "g0", 0, 2, 4), _rec(2, "g1", 0, 2, 4), _rec(3, "g1", 1, 2, 4)]
     with pytest.raises(ValueError, match=r"node g0 has ranks \[0, 1\] whose \(LOCAL_RANK, LOCAL_WORLD_SIZE\)"):
-        torchrun._layout(bad, 4)
+        store_join._layout(bad, 4)
     mixed = [_rec(0, "g0", 0, 2, 2), _rec(1, "g0", None, None, 2)]
     with pytest.raises(ValueError, match="rank 1 has no LOCAL_RANK while rank 0 has one"):
-        torchrun._layout(mixed, 2)
+        store_join._layout(mixed, 2)
 
 
 def test_short_key_is_refused(monkeypatch):
     monkeypatch.setenv("HOROVOD_SECRET_KEY", "abcd")
     with pytest.raises(ValueError, match="HOROVOD_SECRET_KEY has 2 bytes; under torchrun it must be at least 16"):
-        torchrun.join(_tr(1))
+        store_join.join(_tr(1))
 
 
 def test_private_dir_must_be_ours(tmp_path, monkeypatch):
-    monkeypatch.setattr(torchrun.tempfile, "gettempdir", lambda: str(tmp_path))
+    monkeypatch.setattr(store_join.tempfile, "gettempdir", lambda: str(tmp_path))
     d = tmp_path / f"horovod-torchrun-{os.getuid()}"
     d.mkdir(mode=0o755)
     os.chmod(d, 0o755)
     with pytest.raises(PermissionError, match="mode 0700"):
-        torchrun.key_file_path(_tr(1))
+        store_join.key_file_path(_tr(1))
     shutil.rmtree(d)
-    assert torchrun.key_file_path(_tr(1)).startswith(str(d))
+    assert store_join.key_file_path(_tr(1)).startswith(str(d))
     assert os.stat(d).st_mode & 0o777 == 0o700

@@ -2,9 +2,10 @@
 
 Four ways in: the launcher's environment and rendezvous store (``horovodrun``), MPI (``mpirun``/``srun`` or
 ``init(comm=...)``: layout, job key and addresses exchanged over the communicator), the elastic driver
-(``horovod.common.elastic_init``), and torchrun's variables (``horovod.common.torchrun``: rank 0 runs the
-store, the launcher's variables are exported, then the first way goes on).  ``horovod.common.basics.init``
-picks one and starts the engine.
+(``horovod.common.elastic_init``), and the variables of a launcher without a store of ours: torchrun's
+(``horovod.common.torchrun``) and srun's without MPI (``horovod.common.slurm``); rank 0 runs the store
+(``horovod.common.store_join``), the launcher's variables are exported, then the first way goes on.
+``horovod.common.basics.init`` picks one and starts the engine.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from horovod.transport.communicator import PeerFailure
 __all__ = ["refuse_a_copy_of_a_rank", "claim_rank",
            "topology_from_env", "topology_from_mpi", "use_mpi", "mpi_job", "check_comm_matches_launch",
            "elastic_mesh", "build_mesh",
-           "join_torchrun", "GenerationMismatch"]
+           "join_torchrun", "join_slurm", "GenerationMismatch"]
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +118,19 @@ def join_torchrun(comm=None) -> None:
     store_join.join(launch)
 
 
+def join_slurm(comm=None) -> None:
+    """Started by srun in a step of several tasks that MPI will not connect (no mpi4py, no PMI server, or
+    ``HOROVOD_CONTROLLER=gloo``): meet the other tasks through task 0's store and export ``HOROVOD_RANK``...
+    (horovod/common/slurm.py).  ``init(comm=...)`` always bootstraps through MPI."""
+    if comm is not None and not isinstance(comm, (list, tuple)):
+        return
+    from horovod.common import slurm, store_join
+
+    launch = slurm.detect()
+    if launch is not None:
+        store_join.join(launch)
+
+
 def elastic_mesh():
     """Under the elastic driver, get rank and mesh from it: horovod/common/elastic_init.py."""
     from horovod.common import elastic_init
@@ -146,9 +160,8 @@ def use_mpi(comm) -> bool:
             raise ValueError(
                 f"{launch.kind} started {launch.size} processes (this is rank {launch.rank}) with "
                 "HOROVOD_CONTROLLER=gloo, but only horovodrun connects Gloo ranks: each process would run alone "
-                "as rank 0 of size 1.  Unset HOROVOD_CONTROLLER to bootstrap through MPI"
-                + (" (with srun --mpi=pmix)" if launch.kind == "slurm" else "") + ", or start the job with "
-                "horovodrun.")
+                "as rank 0 of size 1.  Unset HOROVOD_CONTROLLER to bootstrap through MPI, or start the job with "
+                "horovodrun (or srun, whose tasks Horovod connects without MPI).")
         return False
     # A one-task srun step without PMI is a single process: run it as one, without MPI (Open MPI's MPI_Init
     # would end it: `srun python train.py` on a cluster whose MpiDefault is none).

@@ -92,6 +92,8 @@ class JoinEnv:
     """Where ``store_port`` comes from ("MASTER_PORT + 1"), or why there is none."""
     names: tuple[str, str, str, str] = ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR")
     """The launcher's variables for the rank, the size, the local size and rank 0's host, as errors name them."""
+    hostname: str = ""
+    """This process's host as the launcher names it (Slurm's ``SLURMD_NODENAME``); "": the host name."""
     missing_key: str = ""
     """The error when no key is set and no key channel can share one (names how to give a key)."""
     key_channel: Any = None
@@ -105,6 +107,10 @@ class JoinEnv:
 
 class KeyChannel(Protocol):
     """How rank 0 hands a fresh key, with its store's address and port, to the other ranks, and only them."""
+
+    holds_port: bool
+    """The channel listens at the launch's fixed port (``HOROVOD_GLOO_RENDEZVOUS_PORT``...), so the store
+    takes any free one."""
 
     def publish(self, addr: str, port: int, key: bytes) -> None:
         """Rank 0: make (addr, port, key) readable by the other ranks of this launch."""
@@ -143,6 +149,8 @@ def _private_dir(launcher: str) -> str:
 
 class KeyFile:
     """The key channel of a job on one host: a 0600 file in a 0700 directory of this user's."""
+
+    holds_port = False
 
     def __init__(self, env: JoinEnv) -> None:
         self._env = env
@@ -336,7 +344,7 @@ def join(env: JoinEnv) -> None:
         channel = KeyFile(env) if env.one_host else env.key_channel
         if channel is None:
             raise ValueError(env.missing_key)
-    port = read_env("HOROVOD_GLOO_RENDEZVOUS_PORT")
+    port = None if channel is not None and channel.holds_port else read_env("HOROVOD_GLOO_RENDEZVOUS_PORT")
     if port is None and channel is None:
         if env.store_port is None:
             raise ValueError(f"{env.store_port_source}: set HOROVOD_GLOO_RENDEZVOUS_PORT to a free port for "
@@ -359,7 +367,7 @@ def join(env: JoinEnv) -> None:
         addr, port, key = channel.fetch(deadline)
     assert key is not None and port is not None
 
-    hostname = read_env("HOROVOD_HOSTNAME") or socket.gethostname()
+    hostname = read_env("HOROVOD_HOSTNAME") or env.hostname or socket.gethostname()
     token = secrets.token_hex(8)
     record = {"rank": env.rank, "world_size": env.world_size, "host": hostname,
               "node": f"group {env.node}" if env.node is not None and env.local_rank is not None else hostname,

@@ -72,9 +72,10 @@ def test_fake_slurm_step():
                           timeout=60)
     _ok(proc)
     assert "SLURM 1 False" in proc.stdout
-    # srun started 2 tasks with no PMI server (no --mpi=pmix) and the MPI is Open MPI: refused before MPI_Init,
-    # naming the fix, instead of Open MPI's abort (real srun) or two jobs of size 1.
-    two = dict(one, SLURM_STEP_NUM_TASKS="2", SLURM_STEP_TASKS_PER_NODE="2")
+    # srun started 2 tasks with no PMI server (no --mpi=pmix), MPI asked for (HOROVOD_CONTROLLER=mpi; without
+    # it the tasks join through task 0's store: tests/multihost/test_slurm.py) and the MPI is Open MPI: refused
+    # before MPI_Init, naming the fix, instead of Open MPI's abort (real srun) or two jobs of size 1.
+    two = dict(one, SLURM_STEP_NUM_TASKS="2", SLURM_STEP_TASKS_PER_NODE="2", HOROVOD_CONTROLLER="mpi")
     proc = subprocess.run([sys.executable, "-c", code], env=_env(**two), capture_output=True, text=True,
                           timeout=60)
     assert proc.returncode != 0 and "srun started 2 tasks (this is task 0) without MPI process management" \

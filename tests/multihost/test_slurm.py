@@ -94,12 +94,13 @@ def check_layout(res: list[dict], mpi: bool) -> None:
 
 
 def check_numpy(res: list[dict]) -> None:
-    mine = [np.arange(5, dtype=np.float64) * (rank + 1) for rank in range(2)]
+    size = len(res)
+    mine = [np.arange(5, dtype=np.float64) * (rank + 1) for rank in range(size)]
     for r in res:
-        np.testing.assert_allclose(r["sum"], mine[0] + mine[1])
-        np.testing.assert_allclose(r["avg"], (mine[0] + mine[1]) / 2)
-        assert r["gather"] == [[0, 0], [1, 1], [1, 1]]
-        assert r["bcast"] == [11.0]
+        np.testing.assert_allclose(r["sum"], np.sum(mine, axis=0))
+        np.testing.assert_allclose(r["avg"], np.mean(mine, axis=0))
+        assert r["gather"] == [[rank, rank] for rank in range(size) for _ in range(rank + 1)]
+        assert r["bcast"] == [size - 1 + 10.0]
 
 
 def test_srun_pmix_numpy(slurm):
@@ -112,14 +113,19 @@ def test_srun_pmix_numpy(slurm):
     check_numpy(res)
 
 
-def test_srun_pmix_torch_distributed_optimizer(slurm):
-    proc = srun("-n", "2", "--mpi=pmix", sys.executable, WORKER, "torch")
+@pytest.mark.parametrize("mpi", [True, False], ids=["pmix", "without-mpi"])
+def test_srun_torch_distributed_optimizer(slurm, mpi):
+    proc = srun("-n", "2", *(["--mpi=pmix"] if mpi else []), sys.executable, WORKER, "torch")
     _ok(proc)
     res = results(proc.stdout)
-    check_layout(res, mpi=True)
-    # The same SGD in numpy: rank 0's weights, gradients of the mean squared error averaged over the ranks.
+    check_layout(res, mpi=mpi)
+    check_torch(res)
+
+
+def check_torch(res: list[dict]) -> None:
+    """The same SGD in numpy: rank 0's weights, gradients of the mean squared error averaged over the ranks."""
     w = slurm_worker.initial_weights(0).astype(np.float64)
-    batches = [tuple(a.astype(np.float64) for a in slurm_worker.data(rank)) for rank in range(2)]
+    batches = [tuple(a.astype(np.float64) for a in slurm_worker.data(rank)) for rank in range(len(res))]
     for _ in range(slurm_worker.STEPS):
         grads = [2 * (x @ w.T - y).T @ x / y.size for x, y in batches]
         w = w - slurm_worker.LR * np.mean(grads, axis=0)
@@ -159,16 +165,34 @@ echo BATCH-DONE
     check_numpy(hvdrun_res)
 
 
-def test_srun_without_mpi_flag_names_the_fix(slurm):
-    """``srun -n 2`` without ``--mpi`` (Slurm's default MpiDefault=none): Open MPI cannot connect the tasks.
-    Horovod refuses before MPI_Init (whose own abort told the user to rebuild Open MPI) and names the fix;
-    never two jobs of size 1, never a hang."""
-    proc = srun("-n", "2", sys.executable, WORKER, "numpy")
-    assert proc.returncode != 0, proc.stdout
-    assert not results(proc.stdout), proc.stdout
-    assert proc.stderr.count("srun started 2 tasks") == 2, proc.stderr
-    assert "run srun --mpi=pmix" in proc.stderr
-    assert "OMPI was not built with SLURM's PMI support" not in proc.stderr
+def _key_files() -> set[str]:
+    d = f"/tmp/horovod-srun-{os.getuid()}"
+    return set(os.listdir(d)) if os.path.isdir(d) else set()
+
+
+def test_srun_without_mpi_flag_joins_through_task_0s_store(slurm):
+    """``srun -n 3 python train.py`` without ``--mpi`` (Slurm's default MpiDefault=none): no PMI server, so MPI
+    cannot connect the tasks (Open MPI's MPI_Init used to abort them); the tasks meet at task 0's store instead,
+    the key shared through a file of this user's that is gone when the job ends."""
+    before = _key_files()
+    proc = srun("-n", "3", sys.executable, WORKER, "numpy")
+    _ok(proc)
+    res = results(proc.stdout)
+    assert [(r["rank"], r["size"], r["local_rank"], r["local_size"], r["cross_size"], r["mpi"]) for r in res] == \
+        [(rank, 3, rank, 3, 1, False) for rank in range(3)], res
+    assert [r["slurm_procid"] for r in res] == ["0", "1", "2"]
+    check_numpy(res)
+    assert _key_files() <= before
+
+
+def test_srun_pmix_with_gloo_controller_runs_without_mpi(slurm):
+    """``HOROVOD_CONTROLLER=gloo`` under ``srun --mpi=pmix``: the user asked for Horovod's own transport (it
+    used to be refused): the tasks join through task 0's store, MPI untouched."""
+    proc = srun("--export=ALL,HOROVOD_CONTROLLER=gloo", "-n", "2", "--mpi=pmix", sys.executable, WORKER, "numpy")
+    _ok(proc)
+    res = results(proc.stdout)
+    check_layout(res, mpi=False)
+    check_numpy(res)
 
 
 def test_srun_one_task_without_mpi_flag_runs_alone(slurm):
@@ -219,3 +243,44 @@ def test_srun_two_nodes_pmix_numpy(hosts_partition):
     assert sorted(r["slurm_node"] for r in res) == ["hvdh1", "hvdh2"], res
     assert len({r["netns"] for r in res} | {os.readlink("/proc/self/ns/net")}) == 3, res
     check_numpy(res)
+
+
+def check_two_node_layout(res: list[dict]) -> None:
+    """``-N 2 -n 3``: srun's block distribution puts tasks 0 and 1 on hvdh1, task 2 on hvdh2."""
+    assert [(r["rank"], r["size"], r["local_rank"], r["local_size"], r["slurm_node"]) for r in res] == \
+        [(0, 3, 0, 2, "hvdh1"), (1, 3, 1, 2, "hvdh1"), (2, 3, 0, 1, "hvdh2")], res
+    assert [r["cross_size"] for r in res] == [2, 1, 2] and not any(r["mpi"] for r in res), res
+    assert len({r["netns"] for r in res} | {os.readlink("/proc/self/ns/net")}) == 3, res
+
+
+@pytest.mark.timeout(90)
+def test_srun_two_nodes_without_mpi_key_through_munge(hosts_partition):
+    """``srun -N 2 -n 3`` without ``--mpi`` and without a key: task 0 hands a fresh key to the tasks of the
+    other node in MUNGE credentials (Slurm's own authentication) only this user can decode."""
+    proc = srun("-p", "hosts", "-N", "2", "-n", "3", sys.executable, WORKER, "numpy")
+    _ok(proc)
+    res = results(proc.stdout)
+    check_two_node_layout(res)
+    check_numpy(res)
+
+
+@pytest.mark.timeout(90)
+def test_srun_two_nodes_without_mpi_with_a_key_of_the_users(hosts_partition):
+    """``export HOROVOD_SECRET_KEY=...; srun -N 2 ...``: every task uses the key srun passed on."""
+    key = os.urandom(32).hex()
+    proc = srun(f"--export=ALL,HOROVOD_SECRET_KEY={key}", "-p", "hosts", "-N", "2", "-n", "3", sys.executable,
+                WORKER, "torch")
+    _ok(proc)
+    res = results(proc.stdout)
+    check_two_node_layout(res)
+    check_torch(res)
+
+
+@pytest.mark.timeout(90)
+def test_srun_two_nodes_without_mpi_task_0_never_initializes(hosts_partition):
+    """Task 0 exits without ``hvd.init()``: the other tasks name it within the start timeout, never hang."""
+    proc = srun("--export=ALL,HOROVOD_START_TIMEOUT=4", "-p", "hosts", "-N", "2", "-n", "2", sys.executable,
+                WORKER, "numpy", "--rank0-exits")
+    assert proc.returncode != 0 and not results(proc.stdout), proc.stdout
+    assert "rank 1 could not get the job key from task 0 at 10.213.0.11:" in proc.stderr, proc.stderr
+    assert "within the start timeout (4 s)" in proc.stderr

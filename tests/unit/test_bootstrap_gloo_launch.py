@@ -1,5 +1,6 @@
-"""HOROVOD_CONTROLLER=gloo in a process that srun/mpirun started (no horovodrun): nothing connects the processes,
-so before each one ran alone as rank 0 of size 1; a launch of several processes is refused naming the fix."""
+"""HOROVOD_CONTROLLER=gloo in a process that mpirun started (no horovodrun): nothing connects the processes, so
+before each one ran alone as rank 0 of size 1; a launch of several processes is refused naming the fix.  An srun
+step joins through task 0's store instead (horovod/common/slurm.py)."""
 
 from __future__ import annotations
 
@@ -24,22 +25,25 @@ def env(monkeypatch):
     return monkeypatch
 
 
-@pytest.mark.parametrize("launch, text", [
-    (SLURM_TWO, "slurm started 2 processes (this is rank 1) with HOROVOD_CONTROLLER=gloo, but only horovodrun "
-                "connects Gloo ranks: each process would run alone as rank 0 of size 1.  Unset HOROVOD_CONTROLLER "
-                "to bootstrap through MPI (with srun --mpi=pmix), or start the job with horovodrun."),
-    (OMPI_TWO, "openmpi started 2 processes (this is rank 0) with HOROVOD_CONTROLLER=gloo, but only horovodrun "
-               "connects Gloo ranks: each process would run alone as rank 0 of size 1.  Unset HOROVOD_CONTROLLER "
-               "to bootstrap through MPI, or start the job with horovodrun."),
-])
-def test_gloo_controller_in_a_launch_of_several_processes_is_refused(env, launch, text):
-    for name, value in launch.items():
+def test_gloo_controller_in_a_launch_of_several_processes_is_refused(env):
+    for name, value in OMPI_TWO.items():
         env.setenv(name, value)
     start = time.monotonic()
     with pytest.raises(ValueError) as info:
         bootstrap.use_mpi(None)
-    assert str(info.value) == text
+    assert str(info.value) == (
+        "openmpi started 2 processes (this is rank 0) with HOROVOD_CONTROLLER=gloo, but only horovodrun connects "
+        "Gloo ranks: each process would run alone as rank 0 of size 1.  Unset HOROVOD_CONTROLLER to bootstrap "
+        "through MPI, or start the job with horovodrun (or srun, whose tasks Horovod connects without MPI).")
     assert time.monotonic() - start < 1.0
+
+
+def test_gloo_controller_in_an_srun_step_joins_through_task_0s_store(env):
+    from horovod.common import slurm
+
+    for name, value in SLURM_TWO.items():
+        env.setenv(name, value)
+    assert slurm.wants_join() is True  # hvd.init() joins (bootstrap.join_slurm) before it asks use_mpi
 
 
 def test_gloo_controller_alone_or_under_horovodrun_still_runs_without_mpi(env):

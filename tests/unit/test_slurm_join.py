@@ -1,0 +1,223 @@
+"""The pieces of joining an srun step without MPI (horovod/common/slurm.py): Slurm's host lists, the port
+every task derives alike, when a step joins instead of bootstrapping through MPI, and the MUNGE key channel
+(a real munged when one runs here: CI's Slurm cluster starts it), probed as another user and a stranger would."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import threading
+import time
+
+import pytest
+
+from horovod.common import slurm, store_join
+
+STEP = {"SLURM_PROCID": "1", "SLURM_STEP_NUM_TASKS": "3", "SLURM_LOCALID": "1", "SLURM_NODEID": "0",
+        "SLURM_STEP_TASKS_PER_NODE": "2,1", "SLURM_STEP_NODELIST": "n[1-2]", "SLURM_JOB_ID": "42",
+        "SLURM_STEP_ID": "0", "SLURMD_NODENAME": "n1"}
+
+
+@pytest.mark.parametrize("spec, hosts", [
+    ("node1", ["node1"]),
+    ("node[1-3]", ["node1", "node2", "node3"]),
+    ("node[01-03,07],gpu1", ["node01", "node02", "node03", "node07", "gpu1"]),
+    ("a,b , c", ["a", "b", "c"]),
+    ("r[1-2]n[08-10]", ["r1n08", "r1n09", "r1n10", "r2n08", "r2n09", "r2n10"]),
+    ("x[9-11]-ib", ["x9-ib", "x10-ib", "x11-ib"]),
+    ("h[007]", ["h007"]),
+    ("", []),
+])
+def test_expand_hostlist(spec, hosts):
+    assert slurm.expand_hostlist(spec) == hosts
+
+
+@pytest.mark.parametrize("spec", ["node[1-3", "node1-3]", "node[a-b]", "node[1-]x", "n[[1]]", "n[3-1]"])
+def test_malformed_hostlist_is_named(spec):
+    with pytest.raises(ValueError, match="malformed Slurm host list"):
+        slurm.expand_hostlist(spec)
+
+
+def test_derived_port_is_the_same_for_a_step_and_differs_between_steps():
+    ports = {slurm.derived_port(str(job), str(step)) for job in range(100, 400) for step in range(3)}
+    assert all(20000 <= p < 32000 for p in ports)
+    assert slurm.derived_port("42", "0") == slurm.derived_port("42", "0")
+    assert len(ports) > 850  # 900 steps: few collide
+
+
+@pytest.mark.parametrize("extra, mpi4py, joins", [
+    ({}, True, True),  # srun without --mpi: no PMI server
+    ({"PMIX_RANK": "1"}, True, False),  # srun --mpi=pmix with mpi4py: MPI bootstraps, as before
+    ({"PMIX_RANK": "1"}, False, True),  # ... without mpi4py
+    ({"PMIX_RANK": "1", "HOROVOD_CONTROLLER": "gloo"}, True, True),
+    ({"HOROVOD_CONTROLLER": "mpi"}, True, False),  # MPI asked for: mpi_job refuses without PMI, naming why
+    ({"SLURM_STEP_NUM_TASKS": "1", "SLURM_STEP_TASKS_PER_NODE": "1", "SLURM_PROCID": "0"}, True, False),
+    ({"HOROVOD_RANK": "1"}, True, False),  # horovodrun's worker inside a step
+    ({"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "3"}, True, False),  # mpirun inside a step
+    ({"HOROVOD_ELASTIC": "1", "HOROVOD_ELASTIC_SLOT": "h:0", "HOROVOD_GLOO_RENDEZVOUS_ADDR": "10.0.0.9"}, True,
+     False),  # the elastic driver's worker
+])
+def test_wants_join(monkeypatch, extra, mpi4py, joins):
+    monkeypatch.setattr("horovod.transport.mpi.mpi_available", lambda: mpi4py)
+    assert slurm.wants_join({**STEP, **extra}) is joins
+
+
+def test_detect_describes_the_step(monkeypatch):
+    monkeypatch.setattr(slurm, "_node_address", lambda node: {"n1": "10.0.0.1"}[node])
+    env = slurm.detect({**STEP, "HOROVOD_SECRET_KEY": "ab" * 16})
+    assert (env.launcher, env.master_addr, env.rank, env.world_size, env.local_rank, env.local_world_size,
+            env.node, env.hostname) == ("srun", "10.0.0.1", 1, 3, 1, 2, 0, "n1")
+    assert env.store_port == slurm.derived_port("42", "0") and env.key_channel is None
+    door = slurm.detect(STEP).key_channel  # several nodes, no key: MUNGE (when installed)
+    assert isinstance(door, slurm.MungeDoor) or shutil.which("munge") is None
+    one_node = slurm.detect({**STEP, "SLURM_STEP_NODELIST": "n1", "SLURM_STEP_TASKS_PER_NODE": "3"})
+    assert one_node.one_host and one_node.key_channel is None  # the key file of store_join
+
+
+def test_detect_refuses_task_0_off_the_first_node(monkeypatch):
+    monkeypatch.setattr(slurm, "_node_address", lambda node: "10.0.0.1")
+    with pytest.raises(ValueError, match="srun placed task 0 on n2, not on the step's first node n1"):
+        slurm.detect({**STEP, "SLURM_PROCID": "0", "SLURMD_NODENAME": "n2"})
+    with pytest.raises(ValueError, match="SLURM_STEP_NODELIST is not set"):
+        slurm.detect({k: v for k, v in STEP.items() if k != "SLURM_STEP_NODELIST"})
+
+
+def test_detect_without_munge_or_key_names_the_ways_to_give_one(monkeypatch):
+    monkeypatch.setattr(slurm, "_node_address", lambda node: "10.0.0.1")
+    monkeypatch.setattr(slurm.shutil, "which", lambda name: None)
+    env = slurm.detect(STEP)
+    assert env.key_channel is None
+    with pytest.raises(ValueError) as info:
+        store_join.join(env)
+    text = str(info.value)
+    assert text.startswith("srun started 3 tasks on 2 nodes without MPI, and Horovod has no key")
+    assert "HOROVOD_SECRET_KEY" in text and "munge" in text and "srun --mpi=pmix" in text
+
+
+def test_unresolvable_first_node_is_named(monkeypatch):
+    monkeypatch.setattr(slurm.subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, 1, "", ""))
+    with pytest.raises(ValueError, match="'no-such-node.invalid' .* does not resolve"):
+        slurm._node_address("no-such-node.invalid")
+
+
+# ------------------------------------------------------------------------------------------------ MUNGE
+def _munged() -> bool:
+    if shutil.which("munge") is None or shutil.which("unmunge") is None:
+        return False
+    return subprocess.run(["munge", "-n"], capture_output=True, timeout=10).returncode == 0
+
+
+needs_munged = pytest.mark.skipif(not _munged() and os.environ.get("HOROVOD_TEST_REQUIRE_SLURM") != "1",
+                                  reason="needs munge/unmunge and a running munged (.ci/slurm_cluster.sh up)")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def door():
+    port = _free_port()
+    d = slurm.MungeDoor("127.0.0.1", port, "slurm 42.0", 0)
+    yield d
+    d.close()
+
+
+@needs_munged
+def test_door_hands_each_rank_the_key(door):
+    key = os.urandom(32)
+    door.publish("127.0.0.1", 4242, key)
+    got = [None] * 4
+
+    def fetch(i):
+        got[i] = slurm.MungeDoor("127.0.0.1", door.port, "slurm 42.0", i + 1).fetch(time.monotonic() + 10)
+
+    threads = [threading.Thread(target=fetch, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert got == [("127.0.0.1", 4242, key)] * 4  # a fresh credential each: MUNGE refuses replays
+    door.close()
+    assert slurm.MungeDoor("127.0.0.1", door.port, "slurm 42.0", 1).refetch() is None  # closed: nothing listens
+
+
+@needs_munged
+def test_door_of_another_launch_is_refused(door):
+    door.publish("127.0.0.1", 4242, os.urandom(32))
+    with pytest.raises(ValueError, match=r"serves the key of another launch of this user's \(slurm 42.0, not "
+                                         r"slurm 43.0\)"):
+        slurm.MungeDoor("127.0.0.1", door.port, "slurm 43.0", 1)._fetch_once()
+
+
+def _fake_door(reply: bytes) -> tuple[int, threading.Thread]:
+    """A stranger's server on the port: answers every connection with ``reply``."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+
+    def serve():
+        with listener:
+            listener.settimeout(10)
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            with conn:
+                try:
+                    conn.sendall(reply)
+                except OSError:
+                    pass
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    return port, t
+
+
+@needs_munged
+@pytest.mark.parametrize("reply, text", [
+    (b"x" * 100_000, "sent more than 16384 bytes"),
+    (b"not a credential", "its credential did not decode"),
+    (b"", "its credential did not decode"),
+])
+def test_a_stranger_on_the_port_is_not_trusted(reply, text):
+    port, t = _fake_door(reply)
+    with pytest.raises(ValueError, match=text):
+        slurm.MungeDoor("127.0.0.1", port, "slurm 42.0", 1)._fetch_once()
+    t.join(timeout=10)
+
+
+@needs_munged
+def test_a_credential_of_another_user_or_a_replay_is_refused():
+    payload = json.dumps({"launch": "slurm 42.0", "addr": "127.0.0.1", "port": 1, "key": "00" * 32}).encode()
+    if os.getuid() == 0:  # root may make a credential in another user's name: its key is not ours
+        other = subprocess.run(["munge", "--uid", "65534", "--restrict-uid", str(os.getuid())], input=payload,
+                               capture_output=True, timeout=10).stdout
+        port, t = _fake_door(other)
+        with pytest.raises(ValueError, match="made by uid 65534, not this user's"):
+            slurm.MungeDoor("127.0.0.1", port, "slurm 42.0", 1)._fetch_once()
+        t.join(timeout=10)
+    ours = slurm._munge(payload)
+    assert json.loads(slurm._unmunge(ours)) == json.loads(payload)
+    with pytest.raises(ValueError, match="did not decode"):  # an eavesdropper's copy, replayed
+        slurm._unmunge(ours)
+
+
+@needs_munged
+def test_door_port_in_use_is_named():
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        d = slurm.MungeDoor("127.0.0.1", taken.getsockname()[1], "slurm 42.0", 0)
+        with pytest.raises(ValueError, match="could not listen on 127.0.0.1 port .* HOROVOD_GLOO_RENDEZVOUS_PORT"):
+            d.publish("127.0.0.1", 4242, os.urandom(32))
+
+
+def test_fetch_gives_up_at_the_deadline_naming_task_0():
+    port = _free_port()
+    start = time.monotonic()
+    with pytest.raises(ValueError, match=rf"rank 2 could not get the job key from task 0 at 127.0.0.1:{port}"):
+        slurm.MungeDoor("127.0.0.1", port, "slurm 42.0", 2).fetch(time.monotonic() + 1.0)
+    assert time.monotonic() - start < 5

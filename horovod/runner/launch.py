@@ -173,19 +173,13 @@ def _run(job: JobSpec, stop_event: threading.Event | None = None) -> list[Any] |
     remote = [h.hostname for h in hosts if any(s.hostname == h.hostname for s in slots)
               and h.hostname not in local_names]
     knobs = job.knob_env()
-    if job.use_mpi:
-        if job.tls_requested():
-            raise ValueError("--tls (HOROVOD_TLS=1) encrypts the built-in transport and the rendezvous store; under "
-                             "--mpi the job key, the data and the object pickles travel over Open MPI's transport, "
-                             "which TLS does not cover and which is not encrypted. Run without --mpi to encrypt "
-                             "everything between hosts, or without --tls (see docs/security.md).")
-        return _run_mpi(job, hosts, knobs, start_timeout, remote)
-
-    from horovod.runner import network
-    from horovod.runner.rendezvous import RendezvousServer
-
+    if job.use_mpi and job.tls_requested():
+        raise ValueError("--tls (HOROVOD_TLS=1) encrypts the built-in transport and the rendezvous store; under "
+                         "--mpi the job key, the data and the object pickles travel over Open MPI's transport, "
+                         "which TLS does not cover and which is not encrypted. Run without --mpi to encrypt "
+                         "everything between hosts, or without --tls (see docs/security.md).")
     ssh_options = None
-    if remote:
+    if remote:  # under --mpi too, as upstream: mpirun's own ssh then finds the hosts known, or we name the host
         from horovod.runner import ssh
 
         if job.verbose:
@@ -194,6 +188,12 @@ def _run(job: JobSpec, stop_event: threading.Event | None = None) -> list[Any] |
         ssh_options = ssh.SshOptions(job.ssh_port, job.ssh_identity_file,
                                      connect_timeout=max(1, min(10, start_timeout)))
         ssh.check_hosts(remote, ssh_options)
+    if job.use_mpi:
+        return _run_mpi(job, hosts, knobs, start_timeout, remote)
+
+    from horovod.runner import network
+    from horovod.runner.rendezvous import RendezvousServer
+
     iface = network.choose_interface(remote, job.nics)
 
     key = auth.make_secret_key()

@@ -270,6 +270,10 @@ def test_version_and_errors():
     assert proc.returncode != 0 and "Invalid host input" in proc.stderr
     proc = horovodrun("-np", "1", "-H", "remote-host.invalid:1", "true")
     assert proc.returncode != 0 and "could not connect to some hosts via ssh: remote-host.invalid" in proc.stderr
+    # Under --mpi as well, before mpirun's own ssh (which failed with "Host key verification failed" and Open
+    # MPI's page of advice on a host never reached before: the check also makes the host known, as upstream's).
+    proc = horovodrun("--mpi", "-np", "1", "-H", "remote-host.invalid:1", "true")
+    assert proc.returncode != 0 and "could not connect to some hosts via ssh: remote-host.invalid" in proc.stderr
     proc = horovodrun("-np", "1", "--cache-capacity", "-2", "true")
     assert proc.returncode != 0 and "cache_capacity=-2 must be >= 0" in proc.stderr
 

@@ -52,6 +52,9 @@ __all__ = ["RayHostDiscovery", "TestDiscovery", "ElasticRayExecutor", "ElasticSe
 
 logger = logging.getLogger(__name__)
 
+_CALLBACK_WARN_SECONDS = 60.0
+"""After the workers end, how often ``run`` says which callback it is still waiting for."""
+
 
 class RayHostDiscovery(HostDiscovery):
     """The alive Ray nodes and their slots (upstream's class; hosts are node ids here, see module doc).
@@ -250,6 +253,7 @@ class _CallbackPump:
         self.error: BaseException | None = None
         self.failed_on: tuple[Callable[[Any], Any], Any] | None = None  # (callback, item) that raised
         self.delivered = 0
+        self._running: tuple[Callable[[Any], Any], Any, float] | None = None  # (callback, item, since)
         self._end = f"horovod.ray.ray_logger end {uuid.uuid4().hex}"
         node = ray.get_runtime_context().get_node_id()
         self.queue = Queue(actor_options={
@@ -264,11 +268,14 @@ class _CallbackPump:
                 if isinstance(item, str) and item == self._end:
                     return
                 for callback in self.callbacks:
+                    self._running = (callback, item, time.monotonic())
                     try:
                         callback(item)
                     except BaseException:
                         self.failed_on = (callback, item)
                         raise
+                    finally:
+                        self._running = None
                 self.delivered += 1
         except BaseException as e:  # noqa: BLE001 - handed to run(), which raises it
             self.error = e
@@ -285,7 +292,24 @@ class _CallbackPump:
             self._thread.join(timeout=5.0)
             self.error = self.error or e
             return
-        self._thread.join()
+        waited = 0.0
+        while True:  # every item is delivered, however long a callback takes; but never in silence
+            self._thread.join(timeout=_CALLBACK_WARN_SECONDS)
+            if not self._thread.is_alive():
+                return
+            waited += _CALLBACK_WARN_SECONDS
+            logger.warning(self._still_waiting(waited))
+
+    def _still_waiting(self, waited: float) -> str:
+        running = self._running
+        if running is None:
+            return (f"horovod.ray: the workers have ended; still delivering the items they logged to the callbacks "
+                    f"after {waited:.0f} s ({self.delivered} delivered so far)")
+        callback, item, since = running
+        name = getattr(callback, "__qualname__", None) or type(callback).__qualname__
+        return (f"horovod.ray: the workers have ended, but callback {name} has not returned for "
+                f"{time.monotonic() - since:.0f} s (item {reprlib.repr(item)}; {self.delivered} items delivered "
+                "before it): run() returns once every item the workers logged is delivered")
 
     def close(self) -> None:
         """Kill the queue actor (a thread still waiting on it ends with the actor's error)."""

@@ -316,6 +316,32 @@ def test_callback_that_raises_stops_the_job_and_leaves_nothing(cluster, tmp_path
     assert not [p for p in pids if _running(p)]
 
 
+def test_a_slow_callback_at_the_end_is_named_while_run_waits_for_it(cluster, tmp_path, monkeypatch):
+    """Every logged item is delivered before ``run`` returns, however long a callback takes, but the wait is
+    not silent: every ``_CALLBACK_WARN_SECONDS`` a warning names the callback and its item."""
+    from horovod.ray import elastic as ray_elastic
+
+    monkeypatch.setattr(ray_elastic, "_CALLBACK_WARN_SECONDS", 0.5)
+    warned = []
+    monkeypatch.setattr(ray_elastic.logger, "warning", lambda msg, *a: warned.append(msg % a if a else msg))
+    for r in range(2):
+        open(tmp_path / f"seen.{r}", "w").close()
+    got = []
+
+    def slow_at_the_end(item):
+        if item.get("last") and item["rank"] == 1:
+            time.sleep(2.5)
+        got.append(item)
+
+    ex = RayExecutor(RayExecutor.create_settings(timeout_s=30), min_workers=2, max_workers=2, cpus_per_worker=1,
+                     elastic_timeout=30)
+    ex.start()
+    assert ex.run(_log_steps, kwargs=dict(steps=2, out=str(tmp_path)), callbacks=[slow_at_the_end]) == [0, 1]
+    assert len(got) == 2 * 3  # two steps and a last item per rank: all delivered
+    named = [w for w in warned if "callback " in w and "slow_at_the_end has not returned for" in w]
+    assert named and "'last': True" in named[0] and "'rank': 1" in named[0], warned
+
+
 def _running(pid):
     try:
         with open(f"/proc/{pid}/stat") as f:

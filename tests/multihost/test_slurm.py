@@ -254,26 +254,17 @@ def check_two_node_layout(res: list[dict]) -> None:
 
 
 @pytest.mark.timeout(90)
-def test_srun_two_nodes_without_mpi_key_through_munge(hosts_partition):
-    """``srun -N 2 -n 3`` without ``--mpi`` and without a key: task 0 hands a fresh key to the tasks of the
-    other node in MUNGE credentials (Slurm's own authentication) only this user can decode."""
-    proc = srun("-p", "hosts", "-N", "2", "-n", "3", sys.executable, WORKER, "numpy")
+@pytest.mark.parametrize("key, mode", [(False, "numpy"), (True, "torch")], ids=["munge", "users-key"])
+def test_srun_two_nodes_without_mpi(hosts_partition, key, mode):
+    """``srun -N 2 -n 3`` without ``--mpi``.  Without a key, task 0 hands a fresh one to the tasks of the other
+    node in MUNGE credentials (Slurm's own authentication) only this user can decode; with
+    ``export HOROVOD_SECRET_KEY=...`` before srun, every task uses the key srun passed on."""
+    export = [f"--export=ALL,HOROVOD_SECRET_KEY={os.urandom(32).hex()}"] if key else []
+    proc = srun(*export, "-p", "hosts", "-N", "2", "-n", "3", sys.executable, WORKER, mode)
     _ok(proc)
     res = results(proc.stdout)
     check_two_node_layout(res)
-    check_numpy(res)
-
-
-@pytest.mark.timeout(90)
-def test_srun_two_nodes_without_mpi_with_a_key_of_the_users(hosts_partition):
-    """``export HOROVOD_SECRET_KEY=...; srun -N 2 ...``: every task uses the key srun passed on."""
-    key = os.urandom(32).hex()
-    proc = srun(f"--export=ALL,HOROVOD_SECRET_KEY={key}", "-p", "hosts", "-N", "2", "-n", "3", sys.executable,
-                WORKER, "torch")
-    _ok(proc)
-    res = results(proc.stdout)
-    check_two_node_layout(res)
-    check_torch(res)
+    (check_torch if mode == "torch" else check_numpy)(res)
 
 
 @pytest.mark.timeout(90)

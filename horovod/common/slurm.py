@@ -207,15 +207,12 @@ class MungeDoor:
         self._thread: threading.Thread | None = None
 
     # ---------------------------------------------------------------------------------------- rank 0
-    def publish(self, addr: str, port: int, key: bytes) -> None:
-        from horovod.common import store_join
-
-        self._payload = json.dumps({"launch": self.launch, "addr": addr, "port": port,
+    def publish(self, addrs: list[str], port: int, key: bytes) -> None:
+        self._payload = json.dumps({"launch": self.launch, "addr": addrs[0], "port": port,
                                     "key": key.hex()}).encode()
         _munge(self._payload)  # munged answers on this node, or the error names it now
-        addrs = store_join._server.addresses if store_join._server is not None else [addr]
         try:
-            for a in dict.fromkeys(addrs):
+            for a in addrs:  # where the store listens: where the other tasks reach this node
                 family = socket.AF_INET6 if ":" in a else socket.AF_INET
                 sock = socket.socket(family, socket.SOCK_STREAM)
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

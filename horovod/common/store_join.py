@@ -96,7 +96,7 @@ class JoinEnv:
     """This process's host as the launcher names it (Slurm's ``SLURMD_NODENAME``); "": the host name."""
     missing_key: str = ""
     """The error when no key is set and no key channel can share one (names how to give a key)."""
-    key_channel: Any = None
+    key_channel: KeyChannel | None = None
     """A :class:`KeyChannel` for a job across hosts without ``HOROVOD_SECRET_KEY`` (one host: a file)."""
 
     @property
@@ -112,8 +112,9 @@ class KeyChannel(Protocol):
     """The channel listens at the launch's fixed port (``HOROVOD_GLOO_RENDEZVOUS_PORT``...), so the store
     takes any free one."""
 
-    def publish(self, addr: str, port: int, key: bytes) -> None:
-        """Rank 0: make (addr, port, key) readable by the other ranks of this launch."""
+    def publish(self, addrs: list[str], port: int, key: bytes) -> None:
+        """Rank 0: make (address, port, key) readable by the other ranks of this launch.  ``addrs``: where the
+        store listens, the first one the address to hand out."""
 
     def fetch(self, deadline: float) -> tuple[str, int, bytes]:
         """Another rank: what rank 0 published (waits for it until ``deadline``; ValueError then)."""
@@ -157,11 +158,11 @@ class KeyFile:
         self.path = key_file_path(env)
         self._written = False
 
-    def publish(self, addr: str, port: int, key: bytes) -> None:
+    def publish(self, addrs: list[str], port: int, key: bytes) -> None:
         tmp = f"{self.path}.{os.getpid()}.tmp"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as f:
-            json.dump({"addr": addr, "port": port, "key": key.hex(), "pid": os.getpid()}, f)
+            json.dump({"addr": addrs[0], "port": port, "key": key.hex(), "pid": os.getpid()}, f)
         os.replace(tmp, self.path)
         self._written = True
 
@@ -249,8 +250,8 @@ def _store_addresses(env: JoinEnv) -> list[str]:
     return mine
 
 
-def _start_store(env: JoinEnv, key: bytes, port: int | None) -> tuple[str, int]:
-    """Start rank 0's store; returns (address rank 0 connects to, port)."""
+def _start_store(env: JoinEnv, key: bytes, port: int | None) -> tuple[list[str], int]:
+    """Start rank 0's store; returns (its addresses, the first one what rank 0 connects to; its port)."""
     global _server
     from horovod.runner.rendezvous import RendezvousServer
     from horovod.transport import tls as tls_mod
@@ -269,7 +270,7 @@ def _start_store(env: JoinEnv, key: bytes, port: int | None) -> tuple[str, int]:
                          "rank") from e
     _server = server
     log.debug("%s job: rendezvous store of rank 0 listening on %s", env.launcher, server.addresses)
-    return addrs[0], bound
+    return addrs, bound
 
 
 def _listen_on(server: Any, addr: str, port: int) -> None:
@@ -356,9 +357,10 @@ def join(env: JoinEnv) -> None:
             addr, port, key = _server.addr, _server.port, _server.key
         else:
             key = key or auth.make_secret_key()
-            addr, port = _start_store(env, key, port)
+            addrs, port = _start_store(env, key, port)
+            addr = addrs[0]
             if channel is not None:
-                channel.publish(addr, port, key)
+                channel.publish(addrs, port, key)
                 _channel = channel
                 atexit.register(channel.close)
     elif channel is None:

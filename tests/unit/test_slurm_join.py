@@ -131,7 +131,7 @@ def door():
 @needs_munged
 def test_door_hands_each_rank_the_key(door):
     key = os.urandom(32)
-    door.publish("127.0.0.1", 4242, key)
+    door.publish(["127.0.0.1"], 4242, key)
     got = [None] * 4
 
     def fetch(i):
@@ -149,7 +149,7 @@ def test_door_hands_each_rank_the_key(door):
 
 @needs_munged
 def test_door_of_another_launch_is_refused(door):
-    door.publish("127.0.0.1", 4242, os.urandom(32))
+    door.publish(["127.0.0.1"], 4242, os.urandom(32))
     with pytest.raises(ValueError, match=r"serves the key of another launch of this user's \(slurm 42.0, not "
                                          r"slurm 43.0\)"):
         slurm.MungeDoor("127.0.0.1", door.port, "slurm 43.0", 1)._fetch_once()
@@ -212,7 +212,7 @@ def test_door_port_in_use_is_named():
     with socket.create_server(("127.0.0.1", 0)) as taken:
         d = slurm.MungeDoor("127.0.0.1", taken.getsockname()[1], "slurm 42.0", 0)
         with pytest.raises(ValueError, match="could not listen on 127.0.0.1 port .* HOROVOD_GLOO_RENDEZVOUS_PORT"):
-            d.publish("127.0.0.1", 4242, os.urandom(32))
+            d.publish(["127.0.0.1"], 4242, os.urandom(32))
 
 
 def test_fetch_gives_up_at_the_deadline_naming_task_0():

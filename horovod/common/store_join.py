@@ -45,9 +45,11 @@ import json
 import logging
 import os
 import secrets
+import signal
 import socket
 import stat
 import tempfile
+import threading
 import time
 from typing import Any, Protocol
 
@@ -61,13 +63,17 @@ log = logging.getLogger(__name__)
 MIN_KEY_BYTES = 16
 """Shortest ``HOROVOD_SECRET_KEY`` accepted when joining (the launcher's own keys are 32 bytes)."""
 
-_RECORD = "join/host.{rank}"
-_LAYOUT = "join/layout"
+_RECORD = "join/{launch}/host.{rank}"
+_LAYOUT = "join/{launch}/layout"
+"""Store keys of a launch: ``{launch}`` is a hash of ``JoinEnv.launch_id``, so that a process of another launch
+that reaches this store (the same ``HOROVOD_SECRET_KEY`` and port in two srun steps, or two jobs whose derived
+ports collide) never takes a rank's place in this one."""
 _POLL = 0.1
 _ERROR_LINGER = 2.0
 
 _server: Any = None  # rank 0's RendezvousServer, kept for the life of the process
 _channel: KeyChannel | None = None  # rank 0's open key channel, closed once every rank joined (or at exit)
+_sigterm_previous: Any = None  # the SIGTERM handler that _on_sigterm replaced while the channel is open
 
 
 @dataclasses.dataclass(frozen=True)
@@ -363,6 +369,7 @@ def join(env: JoinEnv) -> None:
                 channel.publish(addrs, port, key)
                 _channel = channel
                 atexit.register(channel.close)
+                _close_on_sigterm()
     elif channel is None:
         addr = env.master_addr
     else:
@@ -370,6 +377,7 @@ def join(env: JoinEnv) -> None:
     assert key is not None and port is not None
 
     hostname = read_env("HOROVOD_HOSTNAME") or env.hostname or socket.gethostname()
+    launch = hashlib.sha256(env.launch_id.encode()).hexdigest()[:16]
     token = secrets.token_hex(8)
     record = {"rank": env.rank, "world_size": env.world_size, "host": hostname,
               "node": f"group {env.node}" if env.node is not None and env.local_rank is not None else hostname,
@@ -378,7 +386,7 @@ def join(env: JoinEnv) -> None:
     while True:
         client = StoreClient(addr, port, key, timeout=max(1.0, min(10.0, deadline - time.monotonic())))
         try:
-            client.put(_RECORD.format(rank=env.rank), json.dumps(record).encode())
+            client.put(_RECORD.format(launch=launch, rank=env.rank), json.dumps(record).encode())
             break
         except StoreError as e:
             refused = "is not signed with this job's key" in str(e)
@@ -395,14 +403,15 @@ def join(env: JoinEnv) -> None:
     client = StoreClient(addr, port, key, timeout=timeout)
 
     if env.rank == 0:
-        layout = _gather_layout(client, env, deadline, timeout)
+        layout = _gather_layout(client, env, launch, deadline, timeout)
         # Every rank's record is in: each has read the key by now, so the channel closes.  Closing it only at
         # exit left the file behind whenever the launcher ended rank 0 with SIGTERM (another rank failed) or
         # SIGKILL; and a signal handler would replace the application's own.
         _close_channel()
     else:
         try:  # rank 0 decides within its own start timeout, which began at most ``timeout`` ago
-            answer = json.loads(client.get(_LAYOUT, timeout=max(0.0, deadline + timeout - time.monotonic())))
+            answer = json.loads(client.get(_LAYOUT.format(launch=launch),
+                                           timeout=max(0.0, deadline + timeout - time.monotonic())))
         except StoreError as e:
             if "unreachable" in str(e):
                 raise ValueError(f"rank {env.rank}: rank 0 stopped serving the rendezvous store at {addr}:{port} "
@@ -430,13 +439,53 @@ def join(env: JoinEnv) -> None:
 
 
 def _close_channel() -> None:
-    global _channel
+    global _channel, _sigterm_previous
     channel, _channel = _channel, None
     if channel is not None:
         channel.close()
+    previous, _sigterm_previous = _sigterm_previous, None
+    if previous is not None and threading.current_thread() is threading.main_thread():
+        try:
+            if signal.getsignal(signal.SIGTERM) is _on_sigterm:  # else the application set its own since
+                signal.signal(signal.SIGTERM, previous)
+        except (ValueError, OSError):
+            pass
 
 
-def _gather_layout(client: Any, env: JoinEnv, deadline: float, timeout: float) -> dict[str, Any]:
+def _close_on_sigterm() -> None:
+    """Rank 0, while its key channel is open: SIGTERM closes the channel (removes the key file) first.
+
+    A launcher ends the other processes with SIGTERM when one fails (srun -K, torchrun), often while rank 0
+    still waits for a rank that will never come; atexit does not run then, and the key file stayed in
+    ``<tmp>/horovod-<launcher>-<uid>/``.  The handler is this module's only while the channel is open:
+    :func:`_close_channel` puts the previous one back, and a SIGTERM meanwhile is handed to it after the
+    channel closed (the default handler ends the process as before)."""
+    global _sigterm_previous
+    if threading.current_thread() is not threading.main_thread():
+        return  # only the main thread may set handlers: the file then goes at exit, as before
+    try:
+        previous = signal.getsignal(signal.SIGTERM)
+        if previous is None or previous is _on_sigterm:  # a handler not set from Python: leave it alone
+            return
+        _sigterm_previous = previous  # before the handler can run
+        signal.signal(signal.SIGTERM, _on_sigterm)
+    except (ValueError, OSError):
+        _sigterm_previous = None
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    previous = _sigterm_previous
+    _close_channel()  # puts ``previous`` back
+    if previous is None or previous == signal.SIG_IGN:
+        return
+    if callable(previous):
+        previous(signum, frame)
+    else:  # SIG_DFL: end the process as SIGTERM would have
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.raise_signal(signal.SIGTERM)
+
+
+def _gather_layout(client: Any, env: JoinEnv, launch: str, deadline: float, timeout: float) -> dict[str, Any]:
     """Rank 0: every rank's record -> the layout, published (or the error, published, then raised)."""
     from horovod.transport.store import StoreError
 
@@ -444,20 +493,21 @@ def _gather_layout(client: Any, env: JoinEnv, deadline: float, timeout: float) -
     try:
         for r in range(env.world_size):
             try:
-                records.append(json.loads(client.get(_RECORD.format(rank=r),
+                records.append(json.loads(client.get(_RECORD.format(launch=launch, rank=r),
                                                      timeout=max(0.0, deadline - time.monotonic()))))
             except StoreError as e:
-                missing = [q for q in range(r, env.world_size) if not _has(client, _RECORD.format(rank=q))]
+                missing = [q for q in range(r, env.world_size)
+                           if not _has(client, _RECORD.format(launch=launch, rank=q))]
                 raise ValueError(f"ranks {missing} of {env.names[1]}={env.world_size} did not reach rank 0's "
                                  f"rendezvous store within the start timeout ({timeout:g} s); did they call "
                                  f"hvd.init(), or does another process have the RANK of one of them? ({e})") from e
         layout = {"ranks": _layout(records, env.world_size), "tokens": [rec["token"] for rec in records],
                   "hosts": [rec["host"] for rec in records], "addrs": [rec["addr"] for rec in records]}
     except ValueError as e:
-        client.put(_LAYOUT, json.dumps({"error": str(e)}).encode())
+        client.put(_LAYOUT.format(launch=launch), json.dumps({"error": str(e)}).encode())
         time.sleep(_ERROR_LINGER)  # the store lives in this process: let the others read why before it may exit
         raise ValueError(f"Horovod initialization failed: {e}") from e
-    client.put(_LAYOUT, json.dumps(layout).encode())
+    client.put(_LAYOUT.format(launch=launch), json.dumps(layout).encode())
     return layout
 
 

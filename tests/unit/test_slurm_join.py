@@ -7,8 +7,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 
@@ -16,6 +18,7 @@ import pytest
 
 from horovod.common import slurm, store_join
 
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STEP = {"SLURM_PROCID": "1", "SLURM_STEP_NUM_TASKS": "3", "SLURM_LOCALID": "1", "SLURM_NODEID": "0",
         "SLURM_STEP_TASKS_PER_NODE": "2,1", "SLURM_STEP_NODELIST": "n[1-2]", "SLURM_JOB_ID": "42",
         "SLURM_STEP_ID": "0", "SLURMD_NODENAME": "n1"}
@@ -221,3 +224,78 @@ def test_fetch_gives_up_at_the_deadline_naming_task_0():
     with pytest.raises(ValueError, match=rf"rank 2 could not get the job key from task 0 at 127.0.0.1:{port}"):
         slurm.MungeDoor("127.0.0.1", port, "slurm 42.0", 2).fetch(time.monotonic() + 1.0)
     assert time.monotonic() - start < 5
+
+
+# ------------------------------------------------------------------------------------------------ join (processes)
+_JOIN = """
+import json, os, signal, sys, time
+from horovod.common import store_join
+store_join.join(store_join.JoinEnv(**json.loads(sys.argv[1])))
+handler = signal.getsignal(signal.SIGTERM)
+print("JOINED", os.environ["HOROVOD_RANK"], os.environ["HOROVOD_SIZE"], "SIGTERM",
+      "default" if handler == signal.SIG_DFL else handler, flush=True)
+if os.environ["HOROVOD_RANK"] == "0":
+    time.sleep(3)  # the store lives in rank 0: the others read the layout from it
+"""
+
+
+def _join(rank: int, world_size: int, launch_id: str, tmp_path, port: int | None = None, **environ: str):
+    """A process that joins as ``rank`` of an srun-like launch on this host (rank 0 runs the store)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HOROVOD_", "SLURM_", "OMPI_", "PMI"))}
+    env.update(PYTHONPATH=REPO, TMPDIR=str(tmp_path), **environ)
+    spec = {"launcher": "srun", "master_addr": "127.0.0.1", "rank": rank, "world_size": world_size,
+            "local_rank": rank, "local_world_size": world_size, "node": 0, "launch_id": launch_id,
+            "store_port": port, "store_port_source": "the test's port"}
+    return subprocess.Popen([sys.executable, "-c", _JOIN, json.dumps(spec)], env=env, cwd=REPO, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _outcome(proc, timeout: float = 30) -> tuple[int | None, str]:
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        out, _ = proc.communicate()
+        return None, out
+    return proc.returncode, out
+
+
+def test_a_process_of_another_step_with_the_same_key_and_port_never_joins(tmp_path):
+    """Two srun steps with the same ``HOROVOD_SECRET_KEY`` and ``HOROVOD_GLOO_RENDEZVOUS_PORT`` (or whose
+    derived ports collide): step B's task 0 cannot listen, and step B's task 1 reached step A's store.  It
+    used to take task 1's place in step A (whose own task 1 then failed: 'another process also has
+    SLURM_PROCID=1'): the two steps mixed.  Records are per launch now: step A runs, step B's task fails."""
+    port = _free_port()
+    common = {"HOROVOD_SECRET_KEY": os.urandom(32).hex(), "HOROVOD_START_TIMEOUT": "3"}
+    a0 = _join(0, 2, "slurm 42.0", tmp_path, port, **common)
+    b1 = _join(1, 2, "slurm 42.1", tmp_path, port, **common)
+    time.sleep(2.0)  # step B's task reaches step A's store first
+    a1 = _join(1, 2, "slurm 42.0", tmp_path, port, **common)
+    (rc_a0, out_a0), (rc_a1, out_a1), (rc_b1, out_b1) = (_outcome(p) for p in (a0, a1, b1))
+    assert (rc_a0, rc_a1) == (0, 0), out_a0 + out_a1 + out_b1
+    assert rc_b1 not in (0, None) and "JOINED" not in out_b1, out_b1
+    assert "the srun job's layout" in out_b1, out_b1
+
+
+def test_sigterm_while_task_0_waits_removes_the_key_file(tmp_path):
+    """srun -K (or torchrun) ends the tasks with SIGTERM when one fails, often while task 0 still waits for a
+    task that never comes: atexit does not run, and the job's key file stayed in /tmp/horovod-srun-<uid>/."""
+    proc = _join(0, 2, "slurm 43.0", tmp_path, HOROVOD_START_TIMEOUT="30")
+    key_dir = tmp_path / f"horovod-srun-{os.getuid()}"
+    deadline = time.monotonic() + 20
+    while not (key_dir.is_dir() and os.listdir(key_dir)) and time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()[0]
+        time.sleep(0.05)
+    assert os.listdir(key_dir), "task 0 never published its key file"
+    proc.send_signal(signal.SIGTERM)
+    rc, out = _outcome(proc)
+    assert rc == -signal.SIGTERM, (rc, out)  # ended by the signal, as without Horovod's handler
+    assert os.listdir(key_dir) == [], out
+
+
+def test_the_sigterm_handler_is_put_back_once_every_task_joined(tmp_path):
+    procs = [_join(r, 2, "slurm 44.0", tmp_path) for r in range(2)]
+    done = [_outcome(p) for p in procs]
+    assert [rc for rc, _ in done] == [0, 0], done
+    assert [out.split()[-1] for _, out in done] == ["default", "default"], done
+    assert os.listdir(tmp_path / f"horovod-srun-{os.getuid()}") == []

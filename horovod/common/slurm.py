@@ -166,13 +166,14 @@ def detect(env: Mapping[str, str] | None = None) -> JoinEnv | None:
     from horovod.base import auth
 
     key_set = bool(env.get(auth.SECRET_KEY_ENV, "").strip())
-    door = None
+    door = peer = None
     missing_key = ""
-    if len(nodes) > 1 and not key_set:
+    if len(nodes) > 1:
         if shutil.which("munge") and shutil.which("unmunge"):
-            door = MungeDoor(master, read_env("HOROVOD_GLOO_RENDEZVOUS_PORT", env) or port,
+            peer = MungeDoor(master, read_env("HOROVOD_GLOO_RENDEZVOUS_PORT", env) or port,
                              f"{job_id}.{step_id}", launch.rank)
-        else:
+            door = None if key_set else peer
+        elif not key_set:
             missing_key = (
                 f"srun started {launch.size} tasks on {len(nodes)} nodes without MPI, and Horovod has no key to "
                 "authenticate them: set HOROVOD_SECRET_KEY (the same random hex key in every task: export "
@@ -184,7 +185,7 @@ def detect(env: Mapping[str, str] | None = None) -> JoinEnv | None:
         local_rank=launch.local_rank, local_world_size=local_size,
         node=int(node_id) if node_id.isdigit() else None, launch_id=f"slurm {job_id}.{step_id}",
         store_port=port, store_port_source=f"the port derived from the job and step ids ({job_id}.{step_id})",
-        names=_NAMES, hostname=this_node, missing_key=missing_key, key_channel=door)
+        names=_NAMES, hostname=this_node, missing_key=missing_key, key_channel=door, peer_channel=peer)
 
 
 class MungeDoor:
@@ -265,6 +266,8 @@ class MungeDoor:
         while True:
             try:
                 return self._fetch_once()
+            except _StoreAtTheDoor as e:  # task 0 has the key: waiting changes nothing
+                raise ValueError(str(e)) from None
             except (OSError, ValueError) as e:
                 last = str(e)
             if time.monotonic() >= deadline:
@@ -281,6 +284,19 @@ class MungeDoor:
         except (OSError, ValueError):
             return None
 
+    def serves(self) -> bool:
+        """Something answers at the door's port with a MUNGE credential: task 0 hands out a key (it has none).
+
+        Reads only the credential's armor prefix; the credential itself is neither decoded nor kept."""
+        try:
+            with socket.create_connection((self.master_addr, self.port), timeout=2.0) as sock:
+                head = b""
+                while len(head) < len(_ARMOR) and (chunk := sock.recv(len(_ARMOR) - len(head))):
+                    head += chunk
+        except OSError:
+            return False
+        return head == _ARMOR
+
     def _fetch_once(self) -> tuple[str, int, bytes]:
         chunks: list[bytes] = []
         received = 0
@@ -294,6 +310,13 @@ class MungeDoor:
         if received > _MAX_CREDENTIAL:
             raise ValueError(f"{self.master_addr}:{self.port} sent more than {_MAX_CREDENTIAL} bytes: not a "
                              "Horovod task 0 of this user's")
+        if b"".join(chunks).startswith(b"HTTP/1."):
+            raise _StoreAtTheDoor(
+                f"rank {self.rank} has no HOROVOD_SECRET_KEY but task 0 of this srun step (at {self.master_addr}:"
+                f"{self.port}) runs Horovod's rendezvous store there, as it does when it has the key, instead of "
+                "handing out a fresh key in MUNGE credentials.  Set the same HOROVOD_SECRET_KEY in every task "
+                "(export it before srun, which passes it on), or in none.  (Or another program answers HTTP at the "
+                "port: then task 0 could not listen there and says so.)")
         payload = _unmunge(b"".join(chunks))
         try:
             data = json.loads(payload)
@@ -306,6 +329,14 @@ class MungeDoor:
             raise ValueError(f"{self.master_addr}:{self.port} serves the key of another launch of this user's "
                              f"({launch}, not {self.launch}): set HOROVOD_GLOO_RENDEZVOUS_PORT to another port")
         return found
+
+
+class _StoreAtTheDoor(ValueError):
+    """Task 0 runs its store where a rank without the key expected the MUNGE door: task 0 has the key."""
+
+
+_ARMOR = b"MUNGE:"
+"""How every MUNGE credential begins."""
 
 
 def _munge(payload: bytes) -> bytes:

@@ -104,6 +104,10 @@ class JoinEnv:
     """The error when no key is set and no key channel can share one (names how to give a key)."""
     key_channel: KeyChannel | None = None
     """A :class:`KeyChannel` for a job across hosts without ``HOROVOD_SECRET_KEY`` (one host: a file)."""
+    peer_channel: Any = None
+    """The key channel rank 0 would open across hosts without ``HOROVOD_SECRET_KEY``, also when this process
+    has the key: a rank with the key that cannot reach the store checks it (:meth:`KeyChannel.serves`) to
+    tell that rank 0 has no key.  None: the same as ``key_channel`` (one host: the file)."""
 
     @property
     def one_host(self) -> bool:
@@ -130,6 +134,10 @@ class KeyChannel(Protocol):
 
     def close(self) -> None:
         """Rank 0: every rank has the key (or the process exits); idempotent."""
+
+    def serves(self) -> bool:
+        """Another rank, which has ``HOROVOD_SECRET_KEY``: rank 0 of this launch hands out a key through this
+        channel now, so it has none (the key was set in some processes only)."""
 
 
 # ---------------------------------------------------------------------------------------------- key file
@@ -195,8 +203,22 @@ class KeyFile:
                     f"rank {env.rank} waited {start_timeout():g} s for rank 0 of this {env.launcher} job to publish "
                     f"its rendezvous store in {self.path}: did {env.names[0]}=0 call hvd.init()?  (Every rank is on "
                     f"this host, {env.names[2]} == {env.names[1]}, so rank 0 shares a fresh key through that file; "
-                    "set HOROVOD_SECRET_KEY to share one yourself.)")
+                    "set HOROVOD_SECRET_KEY to share one yourself.)  Or does rank 0 have HOROVOD_SECRET_KEY while "
+                    "this rank has none?  Set the same key in every rank, or in none.")
             time.sleep(_POLL)
+
+    def serves(self) -> bool:
+        try:
+            with open(self.path) as f:
+                pid = int(json.load(f)["pid"])
+            if os.lstat(self.path).st_uid != os.getuid():
+                return False
+            os.kill(pid, 0)  # a file of a live rank 0, not one left by a killed job
+            return True
+        except PermissionError:
+            return True
+        except (OSError, ValueError, KeyError, TypeError):
+            return False
 
     def close(self) -> None:
         if not self._written:
@@ -379,6 +401,7 @@ def join(env: JoinEnv) -> None:
     hostname = read_env("HOROVOD_HOSTNAME") or env.hostname or socket.gethostname()
     launch = hashlib.sha256(env.launch_id.encode()).hexdigest()[:16]
     token = secrets.token_hex(8)
+    next_check = 0.0  # when a rank with the key next looks whether rank 0 hands out one (it has none then)
     record = {"rank": env.rank, "world_size": env.world_size, "host": hostname,
               "node": f"group {env.node}" if env.node is not None and env.local_rank is not None else hostname,
               "local_rank": env.local_rank, "local_size": env.local_world_size,
@@ -393,6 +416,9 @@ def join(env: JoinEnv) -> None:
             if refused and channel is None:
                 raise ValueError(f"rank {env.rank}: the rendezvous store of rank 0 at {addr}:{port} refused this "
                                  "rank's key: every rank needs the same HOROVOD_SECRET_KEY") from e
+            if channel is None and time.monotonic() >= next_check:
+                next_check = time.monotonic() + 1.0
+                _refuse_if_rank_0_has_no_key(env, e)
             if time.monotonic() >= deadline:
                 raise ValueError(f"rank {env.rank} could not reach the rendezvous store of rank 0 at {addr}:{port} "
                                  f"within the start timeout ({timeout:g} s): {e}.  Is {env.names[0]}=0 running "
@@ -436,6 +462,29 @@ def join(env: JoinEnv) -> None:
     os.environ.update({k: str(v) for k, v in exported.items()})
     log.debug("%s job: rank %d of %d, local %d of %d, cross %d of %d, store %s:%d", env.launcher, env.rank,
               env.world_size, lr, ls, cr, cs, addr, port)
+
+
+def _refuse_if_rank_0_has_no_key(env: JoinEnv, error: Exception) -> None:
+    """A rank with ``HOROVOD_SECRET_KEY`` that cannot reach rank 0's store: ValueError when rank 0 hands out
+    a key of its own instead (it has no ``HOROVOD_SECRET_KEY``), rather than waiting out the start timeout."""
+    if env.rank == 0:
+        return
+    probe: Any = None
+    try:
+        if not env.one_host:
+            probe = env.peer_channel or env.key_channel
+        elif os.path.isdir(os.path.join(tempfile.gettempdir(), f"horovod-{env.launcher}-{os.getuid()}")):
+            probe = KeyFile(env)  # (a rank with the key never makes the directory, nor needs it to be sound)
+        serves = probe is not None and probe.serves()
+    except Exception as e:  # noqa: BLE001 - only a diagnosis: the store's own error stands
+        log.debug("key channel check: %s", e)
+        return
+    if serves:
+        where = getattr(probe, "path", None) or f"{env.master_addr}:{getattr(probe, 'port', '?')}"
+        raise ValueError(f"rank {env.rank} has HOROVOD_SECRET_KEY but rank 0 of this {env.launcher} job has none: "
+                         f"it hands out a fresh key of its own ({where}) instead of running its store at the port "
+                         "this rank uses.  Set the same HOROVOD_SECRET_KEY in every rank (export it before the "
+                         "launcher, which passes it on), or in none.") from error
 
 
 def _close_channel() -> None:
@@ -487,6 +536,7 @@ def _on_sigterm(signum: int, frame: Any) -> None:
 
 def _gather_layout(client: Any, env: JoinEnv, launch: str, deadline: float, timeout: float) -> dict[str, Any]:
     """Rank 0: every rank's record -> the layout, published (or the error, published, then raised)."""
+    from horovod.base import auth
     from horovod.transport.store import StoreError
 
     records: list[dict[str, Any]] = []
@@ -500,7 +550,9 @@ def _gather_layout(client: Any, env: JoinEnv, launch: str, deadline: float, time
                            if not _has(client, _RECORD.format(launch=launch, rank=q))]
                 raise ValueError(f"ranks {missing} of {env.names[1]}={env.world_size} did not reach rank 0's "
                                  f"rendezvous store within the start timeout ({timeout:g} s); did they call "
-                                 f"hvd.init(), or does another process have the RANK of one of them? ({e})") from e
+                                 "hvd.init(), is HOROVOD_SECRET_KEY set in every rank or in none (rank 0 "
+                                 f"{'has it' if auth.secret_key_from_env() else 'has none'}), or does another "
+                                 f"process have the RANK of one of them? ({e})") from e
         layout = {"ranks": _layout(records, env.world_size), "tokens": [rec["token"] for rec in records],
                   "hosts": [rec["host"] for rec in records], "addrs": [rec["addr"] for rec in records]}
     except ValueError as e:

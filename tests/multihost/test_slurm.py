@@ -275,3 +275,19 @@ def test_srun_two_nodes_without_mpi_task_0_never_initializes(hosts_partition):
     assert proc.returncode != 0 and not results(proc.stdout), proc.stdout
     assert "rank 1 could not get the job key from task 0 at 10.213.0.11:" in proc.stderr, proc.stderr
     assert "within the start timeout (4 s)" in proc.stderr
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("keyed, text", [
+    (2, "rank 2 has HOROVOD_SECRET_KEY but rank 0 of this srun job has none"),
+    (0, "rank 1 has no HOROVOD_SECRET_KEY but task 0 of this srun step"),
+])
+def test_srun_two_nodes_key_in_one_task_only(hosts_partition, keyed, text):
+    """``HOROVOD_SECRET_KEY`` in one task's environment only (set inside the job script, not exported before
+    srun): the tasks said they could not reach the store or decode a credential; they name the key now."""
+    script = (f'if [ "$SLURM_PROCID" = {keyed} ]; then export HOROVOD_SECRET_KEY={os.urandom(32).hex()}; fi; '
+              f'exec {sys.executable} {WORKER} numpy')
+    proc = srun("--export=ALL,HOROVOD_START_TIMEOUT=6", "-p", "hosts", "-N", "2", "-n", "3", "bash", "-c", script)
+    assert proc.returncode != 0 and not results(proc.stdout), proc.stdout
+    assert text in proc.stderr, proc.stderr
+    assert "is HOROVOD_SECRET_KEY set in every rank or in none" in proc.stderr, proc.stderr

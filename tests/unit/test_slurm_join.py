@@ -299,3 +299,52 @@ def test_the_sigterm_handler_is_put_back_once_every_task_joined(tmp_path):
     assert [rc for rc, _ in done] == [0, 0], done
     assert [out.split()[-1] for _, out in done] == ["default", "default"], done
     assert os.listdir(tmp_path / f"horovod-srun-{os.getuid()}") == []
+
+
+def test_key_in_one_task_only_is_named_at_once(tmp_path):
+    """``HOROVOD_SECRET_KEY`` exported in task 1's environment only: task 1 used to wait out the start timeout
+    and say it 'could not reach the rendezvous store'; it sees task 0's key file and says why, at once."""
+    start = time.monotonic()
+    r0 = _join(0, 2, "slurm 45.0", tmp_path, HOROVOD_START_TIMEOUT="10")
+    r1 = _join(1, 2, "slurm 45.0", tmp_path, _free_port(), HOROVOD_START_TIMEOUT="10",
+               HOROVOD_SECRET_KEY=os.urandom(32).hex())
+    rc1, out1 = _outcome(r1)
+    assert rc1 not in (0, None) and time.monotonic() - start < 8, out1
+    assert "rank 1 has HOROVOD_SECRET_KEY but rank 0 of this srun job has none" in out1, out1
+    rc0, out0 = _outcome(r0)
+    assert rc0 not in (0, None), out0
+    assert "is HOROVOD_SECRET_KEY set in every rank or in none (rank 0 has none)" in out0, out0
+
+
+def test_a_rank_without_the_key_at_task_0s_store_is_told_at_once():
+    """Across nodes, task 0 has ``HOROVOD_SECRET_KEY`` (its store is at the port) and this task has none (it
+    expects the MUNGE door there): the store's HTTP answer says so, without waiting for the deadline."""
+    port, t = _fake_door(b"HTTP/1.1 408 Request Timeout\r\nContent-Length: 0\r\n\r\n")
+    start = time.monotonic()
+    with pytest.raises(ValueError, match="rank 1 has no HOROVOD_SECRET_KEY but task 0 of this srun step"):
+        slurm.MungeDoor("127.0.0.1", port, "slurm 42.0", 1).fetch(time.monotonic() + 30)
+    assert time.monotonic() - start < 10
+    t.join(timeout=10)
+
+
+@pytest.mark.parametrize("reply, serves", [(b"MUNGE:AwQDAACx...:", True), (b"HTTP/1.1 408 x\r\n\r\n", False),
+                                           (b"", False)])
+def test_door_serves_tells_a_munge_door(reply, serves):
+    port, t = _fake_door(reply)
+    assert slurm.MungeDoor("127.0.0.1", port, "slurm 42.0", 1).serves() is serves
+    t.join(timeout=10)
+    assert slurm.MungeDoor("127.0.0.1", _free_port(), "slurm 42.0", 1).serves() is False  # nothing listens
+
+
+def test_the_key_file_check_of_a_rank_with_the_key_needs_no_sound_directory(tmp_path, monkeypatch):
+    """A rank with the key never needed <tmp>/horovod-srun-<uid>/: its check neither makes it nor trips on a
+    directory another user made there."""
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    env = store_join.JoinEnv(launcher="srun", master_addr="127.0.0.1", rank=1, world_size=2, local_rank=1,
+                             local_world_size=2, launch_id="slurm 46.0")
+    store_join._refuse_if_rank_0_has_no_key(env, OSError("refused"))
+    assert os.listdir(tmp_path) == []
+    squatted = tmp_path / f"horovod-srun-{os.getuid()}"
+    squatted.mkdir(mode=0o777)
+    squatted.chmod(0o777)
+    store_join._refuse_if_rank_0_has_no_key(env, OSError("refused"))  # no PermissionError

@@ -104,7 +104,7 @@ class JoinEnv:
     """The error when no key is set and no key channel can share one (names how to give a key)."""
     key_channel: KeyChannel | None = None
     """A :class:`KeyChannel` for a job across hosts without ``HOROVOD_SECRET_KEY`` (one host: a file)."""
-    peer_channel: Any = None
+    peer_channel: KeyChannel | None = None
     """The key channel rank 0 would open across hosts without ``HOROVOD_SECRET_KEY``, also when this process
     has the key: a rank with the key that cannot reach the store checks it (:meth:`KeyChannel.serves`) to
     tell that rank 0 has no key.  None: the same as ``key_channel`` (one host: the file)."""
@@ -430,9 +430,8 @@ def join(env: JoinEnv) -> None:
 
     if env.rank == 0:
         layout = _gather_layout(client, env, launch, deadline, timeout)
-        # Every rank's record is in: each has read the key by now, so the channel closes.  Closing it only at
-        # exit left the file behind whenever the launcher ended rank 0 with SIGTERM (another rank failed) or
-        # SIGKILL; and a signal handler would replace the application's own.
+        # Every rank's record is in: each has read the key by now, so the channel closes (and the SIGTERM
+        # handler of _close_on_sigterm goes): a key file then never outlives the join, even under SIGKILL.
         _close_channel()
     else:
         try:  # rank 0 decides within its own start timeout, which began at most ``timeout`` ago

@@ -136,7 +136,9 @@ def parse_hex_key(name: str, text: str) -> bytes:
     stripped = text.strip()
     if not _HEX_RE.fullmatch(stripped):
         raise EnvVarError(name, text, f"is not a hex string ({len(text)} characters); it is the per-job key "
-                          "that horovodrun sets -- start the job with horovodrun or unset it", show_value=False)
+                          "that horovodrun sets, or that you set for torchrun or srun (the same random hex key in "
+                          "every process: python -c 'import secrets; print(secrets.token_hex(32))') -- fix it, or "
+                          "unset it", show_value=False)
     return bytes.fromhex(stripped)
 
 

@@ -94,6 +94,7 @@ OUT_OF_RANGE = [
     ("HOROVOD_RANK", "1.5", "is not a rank"),
     ("HOROVOD_CPU_OPERATIONS", "ccl", "is not one of gloo, mpi"),
     ("HOROVOD_SECRET_KEY", "abc", "is not a hex string"),       # odd length
+    ("HOROVOD_SECRET_KEY", "my-password", "that you set for torchrun or srun (the same random hex key"),
     ("HOROVOD_THREAD_AFFINITY", "0,,1", "is not a comma-separated list of CPU core ids"),
     ("HOROVOD_NUM_NCCL_STREAMS", "0", "must be >= 1"),
 ]

@@ -80,7 +80,7 @@ def init(comm=None, process_sets: Sequence[ProcessSet] | str | None = None) -> N
             config = dataclasses.replace(config, dynamic_process_sets=True)  # this init only
             process_sets = None
         bootstrap.join_torchrun(comm)  # torchrun/PyTorchJob: exports HOROVOD_RANK... (a no-op otherwise)
-        bootstrap.join_slurm(comm)  # srun without MPI: the same
+        bootstrap.join_without_mpi(comm)  # srun, or one-host mpirun, without MPI: the same
         elastic_mesh = bootstrap.elastic_mesh()  # elastic: the driver assigns the rank (sets HOROVOD_RANK...)
         mpi = bootstrap.mpi_job(comm) if bootstrap.use_mpi(comm) else None
         topology = bootstrap.topology_from_mpi(mpi) if mpi is not None else bootstrap.topology_from_env()

@@ -3,8 +3,9 @@
 Four ways in: the launcher's environment and rendezvous store (``horovodrun``), MPI (``mpirun``/``srun`` or
 ``init(comm=...)``: layout, job key and addresses exchanged over the communicator), the elastic driver
 (``horovod.common.elastic_init``), and the variables of a launcher without a store of ours: torchrun's
-(``horovod.common.torchrun``) and srun's without MPI (``horovod.common.slurm``); rank 0 runs the store
-(``horovod.common.store_join``), the launcher's variables are exported, then the first way goes on.
+(``horovod.common.torchrun``), srun's and one-host mpirun's without MPI (``horovod.common.slurm``,
+``horovod.common.mpirun_join``); rank 0 runs the store (``horovod.common.store_join``), the launcher's
+variables are exported, then the first way goes on.
 ``horovod.common.basics.init`` picks one and starts the engine.
 """
 
@@ -25,7 +26,7 @@ from horovod.transport.communicator import PeerFailure
 __all__ = ["refuse_a_copy_of_a_rank", "claim_rank",
            "topology_from_env", "topology_from_mpi", "use_mpi", "mpi_job", "check_comm_matches_launch",
            "elastic_mesh", "build_mesh",
-           "join_torchrun", "join_slurm", "GenerationMismatch"]
+           "join_torchrun", "join_without_mpi", "GenerationMismatch"]
 
 log = logging.getLogger(__name__)
 
@@ -118,15 +119,16 @@ def join_torchrun(comm=None) -> None:
     store_join.join(launch)
 
 
-def join_slurm(comm=None) -> None:
-    """Started by srun in a step of several tasks that MPI will not connect (no mpi4py, no PMI server, or
-    ``HOROVOD_CONTROLLER=gloo``): meet the other tasks through task 0's store and export ``HOROVOD_RANK``...
-    (horovod/common/slurm.py).  ``init(comm=...)`` always bootstraps through MPI."""
+def join_without_mpi(comm=None) -> None:
+    """Started by srun (a step of several tasks), or by mpirun/mpiexec on one host, when MPI will not connect
+    the processes (no mpi4py, no PMI server under srun, or ``HOROVOD_CONTROLLER=gloo``): meet the others
+    through rank 0's store and export ``HOROVOD_RANK``... (horovod/common/slurm.py, mpirun_join.py).
+    ``init(comm=...)`` always bootstraps through MPI."""
     if comm is not None and not isinstance(comm, (list, tuple)):
         return
-    from horovod.common import slurm, store_join
+    from horovod.common import mpirun_join, slurm, store_join
 
-    launch = slurm.detect()
+    launch = slurm.detect() or mpirun_join.detect()
     if launch is not None:
         store_join.join(launch)
 
@@ -159,9 +161,9 @@ def use_mpi(comm) -> bool:
         if launch is not None and launch.size > 1:
             raise ValueError(
                 f"{launch.kind} started {launch.size} processes (this is rank {launch.rank}) with "
-                "HOROVOD_CONTROLLER=gloo, but only horovodrun connects Gloo ranks: each process would run alone "
-                "as rank 0 of size 1.  Unset HOROVOD_CONTROLLER to bootstrap through MPI, or start the job with "
-                "horovodrun (or srun, whose tasks Horovod connects without MPI).")
+                "HOROVOD_CONTROLLER=gloo across hosts, where only MPI can tell the processes where rank 0 is: "
+                "each would run alone as rank 0 of size 1.  Unset HOROVOD_CONTROLLER to bootstrap through MPI, "
+                "or start the job with horovodrun (or srun, whose tasks Horovod connects without MPI).")
         return False
     # A one-task srun step without PMI is a single process: run it as one, without MPI (Open MPI's MPI_Init
     # would end it: `srun python train.py` on a cluster whose MpiDefault is none).

@@ -9,7 +9,7 @@ tasks, not told ``HOROVOD_CONTROLLER=mpi``, and either ``HOROVOD_CONTROLLER=gloo
 mpi4py.  Otherwise MPI bootstraps the job as before (``srun --mpi=pmix`` with mpi4py).
 
 **The port** of rank 0's store is ``HOROVOD_GLOO_RENDEZVOUS_PORT`` or one derived from the job and step ids
-(:func:`derived_port`, 20000-31999: below Linux's ephemeral ports), so every task knows it without talking.
+(:func:`~horovod.common.store_join.derived_port`), so every task knows it without talking.
 
 **The key.**  ``HOROVOD_SECRET_KEY`` (exported before srun, which passes the environment on) is used when
 set.  Otherwise, on one node, rank 0 shares a fresh key through a file of this user's (as under torchrun);
@@ -22,7 +22,6 @@ rank reads at most :data:`_MAX_CREDENTIAL` bytes from it and trusts nothing it d
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -36,16 +35,15 @@ import time
 from collections.abc import Mapping
 
 from horovod.base.config import read_env, start_timeout
-from horovod.common.store_join import JoinEnv
+from horovod.common.store_join import JoinEnv, derived_port
 
-__all__ = ["expand_hostlist", "derived_port", "wants_join", "detect", "MungeDoor"]
+__all__ = ["expand_hostlist", "wants_join", "detect", "MungeDoor"]
 
 log = logging.getLogger(__name__)
 
 _NAMES = ("SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "tasks on this node", "the step's first node")
 _MAX_CREDENTIAL = 16384
 """Bytes a rank reads from rank 0's door at most (a credential of the ~120-byte payload is ~300)."""
-_PORT_BASE, _PORT_SPAN = 20000, 12000
 _POLL = 0.1
 
 
@@ -89,12 +87,6 @@ def _expand_name(name: str, spec: str) -> list[str]:
         for n in range(int(lo), int(hi or lo) + 1):
             out += _expand_name(f"{head}{n:0{len(lo)}d}{tail}", spec)
     return out
-
-
-def derived_port(job_id: str, step_id: str) -> int:
-    """The port every task of a step computes alike for rank 0's store (or its MUNGE door)."""
-    digest = hashlib.sha256(f"{job_id}.{step_id}".encode()).digest()
-    return _PORT_BASE + int.from_bytes(digest[:4], "big") % _PORT_SPAN
 
 
 def wants_join(env: Mapping[str, str] | None = None) -> bool:
@@ -159,7 +151,8 @@ def detect(env: Mapping[str, str] | None = None) -> JoinEnv | None:
                          "task 0 on the first node (srun's block and cyclic distributions put it there)")
     job_id = env.get("SLURM_JOB_ID", "").strip()
     step_id = (env.get("SLURM_STEP_ID") or env.get("SLURM_STEPID") or "").strip()
-    port = derived_port(job_id, step_id)
+    launch_id = f"slurm {job_id}.{step_id}"
+    port = derived_port(launch_id)
     node_id = env.get("SLURM_NODEID", "").strip()
     master = _node_address(nodes[0])
     local_size = launch.local_size if len(nodes) > 1 else launch.size
@@ -183,7 +176,7 @@ def detect(env: Mapping[str, str] | None = None) -> JoinEnv | None:
     return JoinEnv(
         launcher="srun", master_addr=master, rank=launch.rank, world_size=launch.size,
         local_rank=launch.local_rank, local_world_size=local_size,
-        node=int(node_id) if node_id.isdigit() else None, launch_id=f"slurm {job_id}.{step_id}",
+        node=int(node_id) if node_id.isdigit() else None, launch_id=launch_id,
         store_port=port, store_port_source=f"the port derived from the job and step ids ({job_id}.{step_id})",
         names=_NAMES, hostname=this_node, missing_key=missing_key, key_channel=door, peer_channel=peer)
 

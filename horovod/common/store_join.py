@@ -56,7 +56,7 @@ from typing import Any, Protocol
 from horovod.base.config import read_env, start_timeout
 from horovod.transport import netif
 
-__all__ = ["JoinEnv", "KeyChannel", "join", "key_file_path", "MIN_KEY_BYTES"]
+__all__ = ["JoinEnv", "KeyChannel", "join", "key_file_path", "derived_port", "MIN_KEY_BYTES"]
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +70,7 @@ that reaches this store (the same ``HOROVOD_SECRET_KEY`` and port in two srun st
 ports collide) never takes a rank's place in this one."""
 _POLL = 0.1
 _ERROR_LINGER = 2.0
+_PORT_BASE, _PORT_SPAN = 20000, 12000
 
 _server: Any = None  # rank 0's RendezvousServer, kept for the life of the process
 _channel: KeyChannel | None = None  # rank 0's open key channel, closed once every rank joined (or at exit)
@@ -138,6 +139,13 @@ class KeyChannel(Protocol):
     def serves(self) -> bool:
         """Another rank, which has ``HOROVOD_SECRET_KEY``: rank 0 of this launch hands out a key through this
         channel now, so it has none (the key was set in some processes only)."""
+
+
+def derived_port(launch_id: str) -> int:
+    """A port every process of a launch computes alike from its id, for rank 0's store (or its key channel):
+    20000-31999, below Linux's ephemeral ports."""
+    digest = hashlib.sha256(launch_id.encode()).digest()
+    return _PORT_BASE + int.from_bytes(digest[:4], "big") % _PORT_SPAN
 
 
 # ---------------------------------------------------------------------------------------------- key file

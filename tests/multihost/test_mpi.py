@@ -4,11 +4,13 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 from conftest import REPO, WORKER
 
@@ -95,6 +97,39 @@ def test_fake_slurm_step():
 
 
 # ------------------------------------------------------------------------------------- mpirun on this host
+@needs_mpi
+@pytest.mark.parametrize("how", ["without-mpi4py", "gloo-controller"])
+def test_mpirun_on_one_host_without_mpi_joins_through_rank_0s_store(tmp_path, how):
+    """``mpirun -np 3 python train.py`` where mpi4py is not installed (it failed, naming mpi4py), or with
+    ``HOROVOD_CONTROLLER=gloo`` (it was refused): on one host the processes meet at rank 0's store instead and
+    run on Horovod's own transport; ranks as mpirun assigned them; no key file left."""
+    script = tmp_path / "w.py"
+    script.write_text(
+        "import os, sys, json\n"
+        + ("sys.modules['mpi4py'] = None  # as if not installed\n" if how == "without-mpi4py" else "")
+        + "import numpy as np\n"
+        "import horovod.numpy as hvd\n"
+        "hvd.init()\n"
+        "r = hvd.rank()\n"
+        "out = dict(rank=r, size=hvd.size(), local=(hvd.local_rank(), hvd.local_size()), mpi=hvd.mpi_enabled(),\n"
+        "           ompi=int(os.environ['OMPI_COMM_WORLD_RANK']),\n"
+        "           sum=hvd.allreduce(np.arange(4.0) * (r + 1), op=hvd.Sum, name='s').tolist(),\n"
+        "           gather=hvd.allgather(np.full((r + 1,), r), name='g').tolist())\n"
+        "os.write(1, ('RESULT ' + json.dumps(out) + '\\n').encode())\n")
+    key_dir = f"/tmp/horovod-mpirun-{os.getuid()}"
+    before = set(os.listdir(key_dir)) if os.path.isdir(key_dir) else set()
+    extra = ["-x", "HOROVOD_CONTROLLER=gloo"] if how == "gloo-controller" else []
+    proc = mpirun(3, [sys.executable, str(script)], extra=extra)
+    _ok(proc)
+    res = sorted((json.loads(line.split("RESULT ", 1)[1]) for line in proc.stdout.splitlines()
+                  if "RESULT " in line), key=lambda r: r["rank"])
+    assert [(r["rank"], r["ompi"], r["size"], r["local"], r["mpi"]) for r in res] == \
+        [(rank, rank, 3, [rank, 3], False) for rank in range(3)], res
+    for r in res:
+        assert r["sum"] == (np.arange(4.0) * 6).tolist() and r["gather"] == [0, 1, 1, 2, 2, 2]
+    assert (set(os.listdir(key_dir)) if os.path.isdir(key_dir) else set()) <= before
+
+
 @needs_mpi
 def test_numpy_suite_under_mpirun():
     proc = mpirun(4, [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",

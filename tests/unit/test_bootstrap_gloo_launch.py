@@ -1,6 +1,7 @@
-"""HOROVOD_CONTROLLER=gloo in a process that mpirun started (no horovodrun): nothing connects the processes, so
-before each one ran alone as rank 0 of size 1; a launch of several processes is refused naming the fix.  An srun
-step joins through task 0's store instead (horovod/common/slurm.py)."""
+"""HOROVOD_CONTROLLER=gloo in a process that mpirun started across hosts (no horovodrun): nothing connects the
+processes, so before each one ran alone as rank 0 of size 1; such a launch is refused naming the fix.  An srun
+step, or mpirun's processes on one host, join through rank 0's store instead (horovod/common/slurm.py,
+mpirun_join.py)."""
 
 from __future__ import annotations
 
@@ -32,9 +33,10 @@ def test_gloo_controller_in_a_launch_of_several_processes_is_refused(env):
     with pytest.raises(ValueError) as info:
         bootstrap.use_mpi(None)
     assert str(info.value) == (
-        "openmpi started 2 processes (this is rank 0) with HOROVOD_CONTROLLER=gloo, but only horovodrun connects "
-        "Gloo ranks: each process would run alone as rank 0 of size 1.  Unset HOROVOD_CONTROLLER to bootstrap "
-        "through MPI, or start the job with horovodrun (or srun, whose tasks Horovod connects without MPI).")
+        "openmpi started 2 processes (this is rank 0) with HOROVOD_CONTROLLER=gloo across hosts, where only MPI "
+        "can tell the processes where rank 0 is: each would run alone as rank 0 of size 1.  Unset "
+        "HOROVOD_CONTROLLER to bootstrap through MPI, or start the job with horovodrun (or srun, whose tasks "
+        "Horovod connects without MPI).")
     assert time.monotonic() - start < 1.0
 
 

@@ -45,9 +45,9 @@ def test_malformed_hostlist_is_named(spec):
 
 
 def test_derived_port_is_the_same_for_a_step_and_differs_between_steps():
-    ports = {slurm.derived_port(str(job), str(step)) for job in range(100, 400) for step in range(3)}
+    ports = {store_join.derived_port(f"slurm {job}.{step}") for job in range(100, 400) for step in range(3)}
     assert all(20000 <= p < 32000 for p in ports)
-    assert slurm.derived_port("42", "0") == slurm.derived_port("42", "0")
+    assert store_join.derived_port("slurm 42.0") == store_join.derived_port("slurm 42.0")
     assert len(ports) > 850  # 900 steps: few collide
 
 
@@ -73,7 +73,7 @@ def test_detect_describes_the_step(monkeypatch):
     env = slurm.detect({**STEP, "HOROVOD_SECRET_KEY": "ab" * 16})
     assert (env.launcher, env.master_addr, env.rank, env.world_size, env.local_rank, env.local_world_size,
             env.node, env.hostname) == ("srun", "10.0.0.1", 1, 3, 1, 2, 0, "n1")
-    assert env.store_port == slurm.derived_port("42", "0") and env.key_channel is None
+    assert env.store_port == store_join.derived_port("slurm 42.0") and env.key_channel is None
     door = slurm.detect(STEP).key_channel  # several nodes, no key: MUNGE (when installed)
     assert isinstance(door, slurm.MungeDoor) or shutil.which("munge") is None
     one_node = slurm.detect({**STEP, "SLURM_STEP_NODELIST": "n1", "SLURM_STEP_TASKS_PER_NODE": "3"})

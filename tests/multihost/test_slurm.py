@@ -287,7 +287,7 @@ def test_srun_two_nodes_key_in_one_task_only(hosts_partition, keyed, text):
     srun): the tasks said they could not reach the store or decode a credential; they name the key now."""
     script = (f'if [ "$SLURM_PROCID" = {keyed} ]; then export HOROVOD_SECRET_KEY={os.urandom(32).hex()}; fi; '
               f'exec {sys.executable} {WORKER} numpy')
-    proc = srun("--export=ALL,HOROVOD_START_TIMEOUT=6", "-p", "hosts", "-N", "2", "-n", "3", "bash", "-c", script)
+    proc = srun("--export=ALL,HOROVOD_START_TIMEOUT=3", "-p", "hosts", "-N", "2", "-n", "3", "bash", "-c", script)
     assert proc.returncode != 0 and not results(proc.stdout), proc.stdout
     assert text in proc.stderr, proc.stderr
     assert "is HOROVOD_SECRET_KEY set in every rank or in none" in proc.stderr, proc.stderr

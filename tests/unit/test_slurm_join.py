@@ -305,7 +305,7 @@ def test_key_in_one_task_only_is_named_at_once(tmp_path):
     """``HOROVOD_SECRET_KEY`` exported in task 1's environment only: task 1 used to wait out the start timeout
     and say it 'could not reach the rendezvous store'; it sees task 0's key file and says why, at once."""
     start = time.monotonic()
-    r0 = _join(0, 2, "slurm 45.0", tmp_path, HOROVOD_START_TIMEOUT="10")
+    r0 = _join(0, 2, "slurm 45.0", tmp_path, HOROVOD_START_TIMEOUT="4")
     r1 = _join(1, 2, "slurm 45.0", tmp_path, _free_port(), HOROVOD_START_TIMEOUT="10",
                HOROVOD_SECRET_KEY=os.urandom(32).hex())
     rc1, out1 = _outcome(r1)

@@ -45,7 +45,7 @@ def test_gloo_controller_in_an_srun_step_joins_through_task_0s_store(env):
 
     for name, value in SLURM_TWO.items():
         env.setenv(name, value)
-    assert slurm.wants_join() is True  # hvd.init() joins (bootstrap.join_slurm) before it asks use_mpi
+    assert slurm.wants_join() is True  # hvd.init() joins (bootstrap.join_without_mpi) before it asks use_mpi
 
 
 def test_gloo_controller_alone_or_under_horovodrun_still_runs_without_mpi(env):

@@ -67,7 +67,7 @@ _RECORD = "join/{launch}/host.{rank}"
 _LAYOUT = "join/{launch}/layout"
 """Store keys of a launch: ``{launch}`` is a hash of ``JoinEnv.launch_id``, so that a process of another launch
 that reaches this store (the same ``HOROVOD_SECRET_KEY`` and port in two srun steps, or two jobs whose derived
-ports collide) never takes a rank's place in this one."""
+ports collide) never takes a rank's place in this one, followed by the attempt (``.<n>``, see ``_attempts``)."""
 _POLL = 0.1
 _ERROR_LINGER = 2.0
 _PORT_BASE, _PORT_SPAN = 20000, 12000
@@ -75,6 +75,11 @@ _PORT_BASE, _PORT_SPAN = 20000, 12000
 _server: Any = None  # rank 0's RendezvousServer, kept for the life of the process
 _channel: KeyChannel | None = None  # rank 0's open key channel, closed once every rank joined (or at exit)
 _sigterm_previous: Any = None  # the SIGTERM handler that _on_sigterm replaced while the channel is open
+_attempts = 0
+"""How many of this process's joins put its record in rank 0's store.  ``hvd.init()`` again after a failed join
+meets the others under the next attempt's keys: the failed one's layout (its error) and records stay in rank 0's
+store, and were read again at once, so that no retry could ever succeed.  A join that failed before its record
+reached the store (rank 0 not up yet) does not count: that rank's retry meets rank 0's first attempt."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -363,7 +368,7 @@ def join(env: JoinEnv) -> None:
         ValueError: no usable key, a store that cannot listen, inconsistent launcher variables across ranks
             (the text names the rank and the variable), or the ranks did not meet within the start timeout.
     """
-    global _channel
+    global _channel, _attempts
     from horovod.base import auth
     from horovod.transport.store import StoreClient, StoreError
 
@@ -407,7 +412,7 @@ def join(env: JoinEnv) -> None:
     assert key is not None and port is not None
 
     hostname = read_env("HOROVOD_HOSTNAME") or env.hostname or socket.gethostname()
-    launch = hashlib.sha256(env.launch_id.encode()).hexdigest()[:16]
+    launch = f"{hashlib.sha256(env.launch_id.encode()).hexdigest()[:16]}.{_attempts + 1}"
     token = secrets.token_hex(8)
     next_check = 0.0  # when a rank with the key next looks whether rank 0 hands out one (it has none then)
     record = {"rank": env.rank, "world_size": env.world_size, "host": hostname,
@@ -418,6 +423,7 @@ def join(env: JoinEnv) -> None:
         client = StoreClient(addr, port, key, timeout=max(1.0, min(10.0, deadline - time.monotonic())))
         try:
             client.put(_RECORD.format(launch=launch, rank=env.rank), json.dumps(record).encode())
+            _attempts += 1
             break
         except StoreError as e:
             refused = "is not signed with this job's key" in str(e)

@@ -348,3 +348,54 @@ def test_the_key_file_check_of_a_rank_with_the_key_needs_no_sound_directory(tmp_
     squatted.mkdir(mode=0o777)
     squatted.chmod(0o777)
     store_join._refuse_if_rank_0_has_no_key(env, OSError("refused"))  # no PermissionError
+
+
+_RETRY = """
+import json, os, sys
+from horovod.common import store_join
+store_join._ERROR_LINGER = 0.2
+for attempt in (1, 2):
+    try:
+        store_join.join(store_join.JoinEnv(**json.loads(sys.argv[1])))
+    except ValueError as e:
+        print("FAILED", attempt, str(e)[:160].replace(chr(10), " "), flush=True)
+        continue
+    print("JOINED", attempt, os.environ["HOROVOD_RANK"], flush=True)
+    if os.environ["HOROVOD_RANK"] == "0":
+        import time; time.sleep(1)  # the store lives in rank 0: the others read the layout from it
+    break
+"""
+
+
+def _retrying(rank: int, world_size: int, launch_id: str, tmp_path):
+    """A process that joins as ``rank`` like ``hvd.init()`` in a retry loop: a second join after a failed one."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HOROVOD_", "SLURM_", "OMPI_", "PMI"))}
+    env.update(PYTHONPATH=REPO, TMPDIR=str(tmp_path), HOROVOD_START_TIMEOUT="1")
+    spec = {"launcher": "srun", "master_addr": "127.0.0.1", "rank": rank, "world_size": world_size,
+            "local_rank": rank, "local_world_size": world_size, "node": 0, "launch_id": launch_id}
+    return subprocess.Popen([sys.executable, "-c", _RETRY, json.dumps(spec)], env=env, cwd=REPO, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def test_a_join_retried_after_a_rank_came_late_meets_the_others(tmp_path):
+    """Rank 2 comes after rank 0 gave up (start timeout): every rank's first join fails, and the second (init()
+    again) used to read the first one's error in rank 0's store at once, so no retry could ever succeed."""
+    r0, r1 = (_retrying(r, 3, "slurm 47.0", tmp_path) for r in range(2))
+    first = r0.stdout.readline()
+    assert first.startswith("FAILED 1 ") and "ranks [2]" in first, first + r0.communicate()[0]
+    r2 = _retrying(2, 3, "slurm 47.0", tmp_path)  # reads attempt 1's error, then meets the others' retry
+    done = [_outcome(p, timeout=20) for p in (r0, r1, r2)]
+    assert [rc for rc, _ in done] == [0, 0, 0], done
+    assert [out.splitlines()[-1] for _, out in done] == [f"JOINED 2 {r}" for r in range(3)], done
+
+
+def test_a_join_retried_while_rank_0_was_not_up_meets_rank_0s_first(tmp_path):
+    """Rank 1's first join found no key file (rank 0 not started): its record never reached a store, so its
+    retry meets rank 0's first join (not a later attempt that rank 0 never makes)."""
+    r1 = _retrying(1, 2, "slurm 48.0", tmp_path)
+    first = r1.stdout.readline()
+    assert first.startswith("FAILED 1 rank 1 waited"), first + r1.communicate()[0]
+    r0 = _retrying(0, 2, "slurm 48.0", tmp_path)
+    done = [_outcome(p, timeout=20) for p in (r0, r1)]
+    assert [out.splitlines()[-1] for _, out in done] == ["JOINED 1 0", "JOINED 2 1"], done
+    assert os.listdir(tmp_path / f"horovod-srun-{os.getuid()}") == []

@@ -154,10 +154,11 @@ def use_mpi(comm) -> bool:
         return True
     if is_set("HOROVOD_RANK"):
         return False
-    from horovod.transport.mpi import detect_launch, slurm_without_pmi
+    from horovod.transport.mpi import detect_launch, mpi_available, slurm_without_pmi
 
     launch = detect_launch()
-    if read_env("HOROVOD_CONTROLLER") == "gloo":
+    controller = read_env("HOROVOD_CONTROLLER")
+    if controller == "gloo":
         if launch is not None and launch.size > 1:
             raise ValueError(
                 f"{launch.kind} started {launch.size} processes (this is rank {launch.rank}) with "
@@ -166,8 +167,12 @@ def use_mpi(comm) -> bool:
                 "or start the job with horovodrun (or srun, whose tasks Horovod connects without MPI).")
         return False
     # A one-task srun step without PMI is a single process: run it as one, without MPI (Open MPI's MPI_Init
-    # would end it: `srun python train.py` on a cluster whose MpiDefault is none).
-    return launch is not None and not (launch.size == 1 and slurm_without_pmi(launch))
+    # would end it: `srun python train.py` on a cluster whose MpiDefault is none).  So is `mpirun -np 1` where
+    # mpi4py is not installed (mpirun_join's one-host rule with nobody to join; unless MPI is asked for).
+    if launch is not None and launch.size == 1:
+        if slurm_without_pmi(launch) or (controller != "mpi" and launch.kind != "slurm" and not mpi_available()):
+            return False
+    return launch is not None
 
 
 def check_comm_matches_launch(comm, size: int, rank: int, launcher: str) -> None:

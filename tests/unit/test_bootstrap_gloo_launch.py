@@ -58,3 +58,22 @@ def test_gloo_controller_alone_or_under_horovodrun_still_runs_without_mpi(env):
     env.setenv("HOROVOD_RANK", "1")
     env.setenv("HOROVOD_SIZE", "2")
     assert bootstrap.use_mpi(None) is False  # horovodrun's workers inside an srun step
+
+
+@pytest.mark.parametrize("launch", [
+    {"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "1", "OMPI_COMM_WORLD_LOCAL_SIZE": "1"},
+    {"PMI_RANK": "0", "PMI_SIZE": "1", "MPI_LOCALNRANKS": "1"},
+])
+def test_mpirun_of_one_process_without_mpi4py_runs_it_alone(env, launch):
+    """``mpirun -np 1 python train.py`` where mpi4py is not installed failed, naming mpi4py, while
+    ``-np 2`` on one host joins without it (mpirun_join): a single process needs nobody to join."""
+    env.delenv("HOROVOD_CONTROLLER")
+    for name, value in launch.items():
+        env.setenv(name, value)
+    env.setattr("horovod.transport.mpi.mpi_available", lambda: False)
+    assert bootstrap.use_mpi(None) is False
+    env.setenv("HOROVOD_CONTROLLER", "mpi")  # MPI asked for: mpi_job names mpi4py, as before
+    assert bootstrap.use_mpi(None) is True
+    env.delenv("HOROVOD_CONTROLLER")
+    env.setattr("horovod.transport.mpi.mpi_available", lambda: True)
+    assert bootstrap.use_mpi(None) is True  # mpi4py installed: MPI bootstraps, as before

@@ -167,10 +167,10 @@ def use_mpi(comm) -> bool:
                 "or start the job with horovodrun (or srun, whose tasks Horovod connects without MPI).")
         return False
     # A one-task srun step without PMI is a single process: run it as one, without MPI (Open MPI's MPI_Init
-    # would end it: `srun python train.py` on a cluster whose MpiDefault is none).  So is `mpirun -np 1` where
-    # mpi4py is not installed (mpirun_join's one-host rule with nobody to join; unless MPI is asked for).
+    # would end it: `srun python train.py` on a cluster whose MpiDefault is none).  So is one process of
+    # mpirun or srun where mpi4py is not installed (nobody to join; unless MPI is asked for).
     if launch is not None and launch.size == 1:
-        if slurm_without_pmi(launch) or (controller != "mpi" and launch.kind != "slurm" and not mpi_available()):
+        if slurm_without_pmi(launch) or (controller != "mpi" and not mpi_available()):
             return False
     return launch is not None
 

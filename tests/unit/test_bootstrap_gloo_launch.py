@@ -63,10 +63,11 @@ def test_gloo_controller_alone_or_under_horovodrun_still_runs_without_mpi(env):
 @pytest.mark.parametrize("launch", [
     {"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "1", "OMPI_COMM_WORLD_LOCAL_SIZE": "1"},
     {"PMI_RANK": "0", "PMI_SIZE": "1", "MPI_LOCALNRANKS": "1"},
+    {"SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "1", "PMIX_RANK": "0"},  # srun -n 1 --mpi=pmix
 ])
 def test_mpirun_of_one_process_without_mpi4py_runs_it_alone(env, launch):
-    """``mpirun -np 1 python train.py`` where mpi4py is not installed failed, naming mpi4py, while
-    ``-np 2`` on one host joins without it (mpirun_join): a single process needs nobody to join."""
+    """``mpirun -np 1 python train.py`` (or ``srun -n 1 --mpi=pmix``) where mpi4py is not installed failed,
+    naming mpi4py, while ``-np 2`` on one host joins without it: a single process needs nobody to join."""
     env.delenv("HOROVOD_CONTROLLER")
     for name, value in launch.items():
         env.setenv(name, value)

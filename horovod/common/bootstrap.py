@@ -210,13 +210,17 @@ def mpi_job(comm):
         raise ValueError(f"This process was started by {launch.kind} (rank {launch.rank} of {launch.size}) but "
                          "mpi4py is not installed: pip install mpi4py, or start the job with horovodrun.")
     if mpi_mod.slurm_without_pmi(launch) and "Open MPI" in mpi_mod.library_version():
-        # Refused before MPI_Init, which would end the process with Open MPI's advice to rebuild it.
+        # Refused before MPI_Init, which would end the process with Open MPI's advice to rebuild it.  Reached
+        # only when told to use MPI (HOROVOD_CONTROLLER=mpi): otherwise such tasks join without MPI.
+        served = os.environ.get("SLURM_MPI_TYPE", "pmi2") if os.environ.get("PMI_FD", "").strip() else ""
+        why = (f"under srun --mpi={served}, but this Open MPI ({mpi_mod.library_version().split(',')[0].strip()}) "
+               "cannot use Slurm's PMI-2 (Open MPI 5 speaks PMIx only; 3 and 4 need to be built --with-pmi)"
+               if served else "without MPI process management (srun --mpi=none, Slurm's default), and "
+               "Open MPI cannot connect them without it")
         raise ValueError(
-            f"srun started {launch.size} tasks (this is task {launch.rank}) without MPI process management "
-            "(srun --mpi=none, Slurm's default), and Open MPI cannot connect them without it: run "
-            "srun --mpi=pmix (or --mpi=pmi2 if your Open MPI was built with Slurm's PMI-2; `srun --mpi=list` "
-            "shows what your Slurm offers, MpiDefault=pmix in slurm.conf makes it the default), or start the "
-            "job with horovodrun.")
+            f"srun started {launch.size} tasks (this is task {launch.rank}) {why}: run srun --mpi=pmix "
+            "(`srun --mpi=list` shows what your Slurm offers, MpiDefault=pmix in slurm.conf makes it the "
+            "default), or unset HOROVOD_CONTROLLER=mpi and Horovod connects the tasks without MPI.")
     if launch is None and is_set("HOROVOD_SIZE"):  # horovodrun's Gloo workers (torchrun's: join_torchrun)
         check_comm_matches_launch(comm, read_env("HOROVOD_SIZE"), read_env("HOROVOD_RANK"), "horovodrun")
     job = mpi_mod.mpi_job(comm, threads=not read_env("HOROVOD_MPI_THREADS_DISABLE"),

@@ -1,4 +1,5 @@
-"""Joining a job that ``srun`` started without MPI: no mpi4py, or no PMI server (``srun`` without ``--mpi``).
+"""Joining a job that ``srun`` started without MPI: no mpi4py, or no PMI server its MPI can use (``srun``
+without ``--mpi``, or ``--mpi=pmi2`` with an Open MPI built without PMI-2).
 
 An srun step tells every task its place (``SLURM_PROCID``, ``SLURM_STEP_NUM_TASKS``, ``SLURM_LOCALID``,
 ``SLURM_NODEID``, ``SLURM_STEP_NODELIST``...) but gives the tasks no way to talk.  Without MPI to connect
@@ -6,7 +7,9 @@ them, :func:`detect` turns those variables into a :class:`~horovod.common.store_
 :func:`horovod.common.store_join.join` meets the ranks through rank 0's store, on the first node of the step
 (where srun puts task 0), exactly as under torchrun.  When it applies (:func:`wants_join`): a step of several
 tasks, not told ``HOROVOD_CONTROLLER=mpi``, and either ``HOROVOD_CONTROLLER=gloo``, no PMI server, or no
-mpi4py.  Otherwise MPI bootstraps the job as before (``srun --mpi=pmix`` with mpi4py).
+mpi4py (``--mpi=pmi2`` counts as no PMI server when the MPI is an Open MPI that cannot use it:
+:func:`horovod.transport.mpi.slurm_without_pmi`).  Otherwise MPI bootstraps the job as before (``srun
+--mpi=pmix`` with mpi4py).
 
 **The port** of rank 0's store is ``HOROVOD_GLOO_RENDEZVOUS_PORT`` or one derived from the job and step ids
 (:func:`~horovod.common.store_join.derived_port`), so every task knows it without talking.

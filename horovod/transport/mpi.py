@@ -5,9 +5,10 @@ Design (docs/running.md has the user's view):
 * **Launch detection** (:func:`detect_launch`): Open MPI (``OMPI_COMM_WORLD_*``), MPICH/Hydra and Intel MPI
   (``PMI_RANK``/``PMI_SIZE``, ``MPI_LOCALRANKID``/``MPI_LOCALNRANKS``) and Slurm steps (``SLURM_PROCID``,
   ``SLURM_STEP_NUM_TASKS``/``SLURM_NTASKS``, ``SLURM_LOCALID``).  ``horovodrun``'s own ``HOROVOD_RANK`` wins.
-* **srun without PMI** (``--mpi=none``, Slurm's default; :func:`slurm_without_pmi`): a one-task step runs
-  as a single process without MPI; more tasks under Open MPI are refused before ``MPI_Init`` (which would end
-  the process with Open MPI's advice to rebuild it) with the fix, ``srun --mpi=pmix``.
+* **srun without a PMI server its MPI can use** (``--mpi=none``, Slurm's default, or ``--mpi=pmi2`` with an
+  Open MPI built without PMI-2; :func:`slurm_without_pmi`): the tasks meet without MPI
+  (``horovod.common.slurm``); told to use MPI anyway (``HOROVOD_CONTROLLER=mpi``), Open MPI is refused before
+  ``MPI_Init`` (which would end the process with Open MPI's advice to rebuild it) with the fixes.
 * **Bootstrap through MPI**: the rank layout comes from the job's communicator (a private duplicate of
   ``COMM_WORLD``, of the user's communicator, or of the group of the listed ranks), ``local`` ranks from
   ``Split_type(COMM_TYPE_SHARED)``; rank 0 makes the job key and broadcasts it; the addresses of the mesh
@@ -26,9 +27,11 @@ at the same time, on different communicators) unless ``HOROVOD_MPI_THREADS_DISAB
 from __future__ import annotations
 
 import dataclasses
+import glob
 import json
 import logging
 import os
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -37,8 +40,8 @@ import numpy as np
 from horovod.transport import netif
 from horovod.transport.communicator import Communicator, ReduceOp
 
-__all__ = ["LaunchEnv", "detect_launch", "slurm_without_pmi", "library_version", "import_mpi", "MpiJob",
-           "MpiStore", "MpiCommunicator", "mpi_job", "mpi_available"]
+__all__ = ["LaunchEnv", "detect_launch", "slurm_without_pmi", "open_mpi_without_pmi2", "open_mpi_components",
+           "library_version", "import_mpi", "MpiJob", "MpiStore", "MpiCommunicator", "mpi_job", "mpi_available"]
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +51,7 @@ logger = logging.getLogger(__name__)
 class LaunchEnv:
     """What a process launcher says about this process (before MPI is initialised)."""
 
-    kind: str  # "openmpi", "mpich" (PMI) or "slurm"
+    kind: str  # "openmpi", "mpich" (PMI: Hydra, Intel MPI) or "slurm" (srun; --mpi=pmi2's PMI_RANK too)
     rank: int
     size: int
     local_rank: int | None = None
@@ -87,7 +90,7 @@ def detect_launch(env: Mapping[str, str] | None = None) -> LaunchEnv | None:
         return LaunchEnv("openmpi", rank, size, _int(env, "OMPI_COMM_WORLD_LOCAL_RANK"),
                          _int(env, "OMPI_COMM_WORLD_LOCAL_SIZE"))
     rank, size = _int(env, "PMI_RANK"), _int(env, "PMI_SIZE")
-    if rank is not None and size is not None:
+    if rank is not None and size is not None and not _srun_pmi(env):
         return LaunchEnv("mpich", rank, size, _int(env, "MPI_LOCALRANKID"), _int(env, "MPI_LOCALNRANKS"))
     rank = _int(env, "SLURM_PROCID")
     size = _int(env, "SLURM_STEP_NUM_TASKS")
@@ -99,22 +102,78 @@ def detect_launch(env: Mapping[str, str] | None = None) -> LaunchEnv | None:
     return None
 
 
-# What srun puts in a task's environment when one of its MPI plugins serves the task: PMIx (--mpi=pmix)
-# or PMI-2 (--mpi=pmi2, which also sets PMI_RANK: detected as "mpich").
-_PMI_SERVER_VARS = ("PMIX_RANK", "PMIX_NAMESPACE", "PMI_FD")
+def _srun_pmi(env: Mapping[str, str]) -> bool:
+    """``PMI_RANK``/``PMI_SIZE`` are srun's own (``--mpi=pmi2``: its PMI-2 server), not an MPICH launcher's
+    (Hydra's ``mpiexec``, even one started inside an srun step, numbers its own processes)."""
+    return (bool(env.get("SLURM_MPI_TYPE", "").strip()) and env.get("PMI_FD", "").strip() != ""
+            and env.get("PMI_RANK", "").strip() == env.get("SLURM_PROCID", "").strip()
+            and env.get("PMI_SIZE", "").strip() == env.get("SLURM_STEP_NUM_TASKS", "").strip())
 
 
 def slurm_without_pmi(launch: LaunchEnv | None, env: Mapping[str, str] | None = None) -> bool:
-    """srun started this task with no PMI server (``--mpi=none``, Slurm's default ``MpiDefault``).
+    """srun started this task with no PMI server that this process's MPI can use.
 
-    Then Open MPI aborts the process inside ``MPI_Init`` (its text suggests rebuilding Open MPI, not
-    ``--mpi=pmix``), and an MPI that falls back to a singleton runs every task as a job of size 1; only an
-    MPI linked to Slurm's PMI-1 library (``libpmi.so``, e.g. Intel MPI with ``I_MPI_PMI_LIBRARY``) connects
-    the tasks.  Verified with Debian's Slurm 22.05 and Open MPI 4.1 (tests/multihost/test_slurm.py).
+    ``--mpi=none`` (Slurm's default ``MpiDefault``): Open MPI aborts the process inside ``MPI_Init`` (its
+    text suggests rebuilding Open MPI, not ``--mpi=pmix``), and an MPI that falls back to a singleton runs
+    every task as a job of size 1; only an MPI linked to Slurm's PMI-1 library (``libpmi.so``, e.g. Intel MPI
+    with ``I_MPI_PMI_LIBRARY``) connects the tasks.  ``--mpi=pmi2`` (a common ``MpiDefault``) with an Open MPI
+    that cannot use PMI-2 (:func:`open_mpi_without_pmi2`) aborts the same way.  Verified with Debian's Slurm
+    22.05 and Open MPI 4.1 (tests/multihost/test_slurm.py).
     """
     env = os.environ if env is None else env
-    return (launch is not None and launch.kind == "slurm"
-            and not any(env.get(name, "").strip() for name in _PMI_SERVER_VARS))
+    if launch is None or launch.kind != "slurm" or env.get("PMIX_RANK", "").strip() \
+            or env.get("PMIX_NAMESPACE", "").strip():
+        return False
+    if not env.get("PMI_FD", "").strip():
+        return True
+    return open_mpi_without_pmi2()
+
+
+def open_mpi_without_pmi2() -> bool:
+    """mpi4py's MPI is an Open MPI that cannot join srun's PMI-2 server (``srun --mpi=pmi2``).
+
+    Open MPI 5 speaks PMIx only; Open MPI 3 and 4 speak PMI-1/2 through their ``pmix`` components ``s1``/``s2``,
+    built only ``--with-pmi`` (Debian's are not).  False when unsure (another MPI, no mpi4py, components
+    built into the library): MPI is then left to try.
+    """
+    if not mpi_available():
+        return False
+    try:
+        version = library_version()
+    except Exception:  # noqa: BLE001 - a broken mpi4py is named where MPI is initialised
+        return False
+    major = re.match(r"\s*Open MPI v(\d+)", version)
+    if major is None:
+        return False
+    if int(major.group(1)) >= 5:
+        return True
+    components = open_mpi_components("pmix")
+    return components is not None and not components & {"s1", "s2"}
+
+
+def open_mpi_components(framework: str, maps: str = "/proc/self/maps",
+                        env: Mapping[str, str] | None = None) -> set[str] | None:
+    """The components of Open MPI's ``framework`` installed for the ``libmpi`` this process loaded
+    (``mca_<framework>_<name>.so`` in ``<libdir>/openmpi*``, Debian's ``<libdir>/openmpi/lib/openmpi*``, or
+    ``OMPI_MCA_mca_component_path``); None when that cannot be told."""
+    env = os.environ if env is None else env
+    try:
+        with open(maps) as f:
+            lib = next((line.split(None, 5)[-1].strip() for line in f if "/libmpi.so" in line), None)
+    except OSError:
+        return None
+    if lib is None:
+        return None
+    libdir = os.path.dirname(lib)
+    dirs = glob.glob(os.path.join(libdir, "openmpi*")) + glob.glob(os.path.join(libdir, "openmpi", "lib", "openmpi*"))
+    dirs += [d for d in env.get("OMPI_MCA_mca_component_path", "").split(os.pathsep) if d]
+    prefix = f"mca_{framework}_"
+    found: set[str] | None = None
+    for sub in sorted(set(dirs)):
+        names = [n for n in os.listdir(sub) if n.startswith("mca_")] if os.path.isdir(sub) else []
+        if names:
+            found = (found or set()) | {n[len(prefix):].split(".")[0] for n in names if n.startswith(prefix)}
+    return found
 
 
 def library_version() -> str:

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from conftest import REPO, WORKER
 
+from horovod.transport import mpi as mpi_mod
 from horovod.transport.mpi import LaunchEnv, detect_launch
 
 MPI_WORKER = os.path.join("tests", "multihost", "mpi_worker.py")
@@ -53,6 +54,55 @@ def test_detect_open_mpi_mpich_slurm():
     slurm = {"SLURM_PROCID": "5", "SLURM_STEP_NUM_TASKS": "6", "SLURM_LOCALID": "1", "SLURM_NODEID": "2",
              "SLURM_STEP_TASKS_PER_NODE": "2(x2),2", "SLURM_JOB_ID": "7"}
     assert detect_launch(slurm) == LaunchEnv("slurm", 5, 6, 1, 2)
+
+
+def test_detect_srun_pmi2_as_slurm_and_hydra_inside_a_step_as_mpich():
+    """srun --mpi=pmi2 sets PMI_RANK/PMI_SIZE too: still srun's task (its local rank is SLURM_LOCALID's); an
+    mpiexec (Hydra) started inside a one-task step numbers its own processes: those are MPICH's."""
+    step = {"SLURM_PROCID": "1", "SLURM_STEP_NUM_TASKS": "3", "SLURM_LOCALID": "1", "SLURM_NODEID": "0",
+            "SLURM_STEP_TASKS_PER_NODE": "2,1", "SLURM_JOB_ID": "7", "SLURM_MPI_TYPE": "pmi2"}
+    assert detect_launch({**step, "PMI_FD": "11", "PMI_RANK": "1", "PMI_SIZE": "3"}) == LaunchEnv("slurm", 1, 3, 1, 2)
+    one = {**step, "SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "1", "SLURM_LOCALID": "0",
+           "SLURM_STEP_TASKS_PER_NODE": "1"}
+    hydra = {"PMI_FD": "5", "PMI_RANK": "3", "PMI_SIZE": "4", "MPI_LOCALRANKID": "3", "MPI_LOCALNRANKS": "4"}
+    assert detect_launch({**one, **hydra}) == LaunchEnv("mpich", 3, 4, 3, 4)
+    assert detect_launch({**one, **hydra, "PMI_RANK": "0"}) == LaunchEnv("mpich", 0, 4, 3, 4)
+
+
+def test_open_mpi_components_beside_the_loaded_libmpi(tmp_path):
+    """The pmix components of the Open MPI whose libmpi the process mapped: a standard prefix
+    (``lib/openmpi``), Debian's layout (``lib/openmpi/lib/openmpi3``), none found (None: unknown)."""
+    maps = tmp_path / "maps"
+    for layout in ("openmpi", "openmpi/lib/openmpi3"):
+        lib = tmp_path / layout.replace("/", "_") / "lib"
+        (lib / layout).mkdir(parents=True)
+        for name in ("mca_pmix_ext3x.so", "mca_pmix_s2.so", "mca_ess_pmi.so"):
+            (lib / layout / name).touch()
+        maps.write_text(f"7fb4-7fb5 r--p 00000000 fe:00 5595947   {lib}/libmpi.so.40.30.4\n")
+        assert mpi_mod.open_mpi_components("pmix", str(maps), env={}) == {"ext3x", "s2"}
+        assert mpi_mod.open_mpi_components("ess", str(maps), env={}) == {"pmi"}
+    maps.write_text(f"7fb4-7fb5 r--p 00000000 fe:00 1   {tmp_path}/nowhere/libmpi.so.40\n")
+    assert mpi_mod.open_mpi_components("pmix", str(maps), env={}) is None
+    extra = tmp_path / "extra"
+    extra.mkdir()
+    (extra / "mca_pmix_s1.so").touch()
+    assert mpi_mod.open_mpi_components("pmix", str(maps), env={"OMPI_MCA_mca_component_path": str(extra)}) == {"s1"}
+    maps.write_text("7fb4-7fb5 r--p 00000000 fe:00 1   /usr/lib/libc.so.6\n")
+    assert mpi_mod.open_mpi_components("pmix", str(maps), env={}) is None
+
+
+@pytest.mark.parametrize("version, components, without", [
+    ("Open MPI v4.1.4, package: Debian OpenMPI", {"ext3x", "flux", "isolated"}, True),
+    ("Open MPI v4.1.4", {"ext3x", "s1", "s2"}, False),  # built --with-pmi
+    ("Open MPI v4.1.4", None, False),  # components not found: MPI is left to try
+    ("Open MPI v5.0.3, package: Open MPI", None, True),  # PMIx only
+    ("MPICH Version: 4.1", set(), False),
+])
+def test_open_mpi_without_pmi2(monkeypatch, version, components, without):
+    monkeypatch.setattr(mpi_mod, "mpi_available", lambda: True)
+    monkeypatch.setattr(mpi_mod, "library_version", lambda: version)
+    monkeypatch.setattr(mpi_mod, "open_mpi_components", lambda framework: components)
+    assert mpi_mod.open_mpi_without_pmi2() is without
 
 
 def test_detect_ignores_horovodrun_and_batch_scripts():

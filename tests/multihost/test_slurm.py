@@ -195,6 +195,41 @@ def test_srun_pmix_with_gloo_controller_runs_without_mpi(slurm):
     check_numpy(res)
 
 
+def _open_mpi_without_pmi2() -> bool:
+    """What horovod.transport.mpi says of this machine's MPI, asked in a process of its own (it loads libmpi)."""
+    proc = subprocess.run([sys.executable, "-c", "from horovod.transport.mpi import open_mpi_without_pmi2 as f; "
+                           "print(f())"], cwd=REPO, env=_env(), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stdout.strip() in ("True", "False"), proc.stderr
+    return proc.stdout.strip() == "True"
+
+
+def test_srun_pmi2_with_an_open_mpi_without_pmi2(slurm):
+    """``srun --mpi=pmi2`` (a common MpiDefault) with an Open MPI built without Slurm's PMI-2, as Debian's is:
+    MPI_Init aborted every task with Open MPI's advice to rebuild it.  Now the tasks join through task 0's
+    store, as without ``--mpi``; an Open MPI that has PMI-2 is left to connect them."""
+    if "pmi2" not in subprocess.run(["srun", "--mpi=list"], capture_output=True, text=True, timeout=30).stdout \
+            + subprocess.run(["srun", "--mpi=list"], capture_output=True, text=True, timeout=30).stderr:
+        pytest.skip("this Slurm has no pmi2 plugin")
+    proc = srun("-n", "2", "--mpi=pmi2", sys.executable, WORKER, "torch")
+    _ok(proc)
+    res = results(proc.stdout)
+    check_layout(res, mpi=not _open_mpi_without_pmi2())
+    check_torch(res)
+
+
+def test_srun_pmi2_told_to_use_mpi_is_refused_with_the_fix(slurm):
+    """``HOROVOD_CONTROLLER=mpi`` under ``srun --mpi=pmi2`` with such an Open MPI: refused before MPI_Init, the
+    text naming pmi2, the Open MPI and both fixes (not Open MPI's abort)."""
+    if not _open_mpi_without_pmi2():
+        pytest.skip("this Open MPI can use PMI-2")
+    proc = srun("--export=ALL,HOROVOD_CONTROLLER=mpi", "-n", "2", "--mpi=pmi2", sys.executable, WORKER, "numpy")
+    assert proc.returncode != 0 and not results(proc.stdout), proc.stdout
+    assert "srun started 2 tasks (this is task 0) under srun --mpi=pmi2, but this Open MPI (Open MPI v" \
+        in proc.stderr, proc.stderr
+    assert "run srun --mpi=pmix" in proc.stderr and "unset HOROVOD_CONTROLLER=mpi" in proc.stderr, proc.stderr
+    assert "MPI_Init" not in proc.stderr, proc.stderr
+
+
 def test_srun_one_task_without_mpi_flag_runs_alone(slurm):
     """``srun python train.py`` (one task, no ``--mpi``) is a single process: it runs as one, without MPI."""
     proc = srun("-n", "1", sys.executable, WORKER, "numpy")
@@ -265,6 +300,19 @@ def test_srun_two_nodes_without_mpi(hosts_partition, key, mode):
     res = results(proc.stdout)
     check_two_node_layout(res)
     (check_torch if mode == "torch" else check_numpy)(res)
+
+
+@pytest.mark.timeout(90)
+def test_srun_two_nodes_pmi2_with_an_open_mpi_without_pmi2(hosts_partition):
+    """``srun -N 2 -n 3 --mpi=pmi2``: the PMI-2 variables make the tasks look MPICH-launched; they are srun's
+    tasks, and (this Open MPI unable to use PMI-2) they join across the nodes through MUNGE."""
+    if not _open_mpi_without_pmi2():
+        pytest.skip("this Open MPI can use PMI-2")
+    proc = srun("-p", "hosts", "-N", "2", "-n", "3", "--mpi=pmi2", sys.executable, WORKER, "numpy")
+    _ok(proc)
+    res = results(proc.stdout)
+    check_two_node_layout(res)
+    check_numpy(res)
 
 
 @pytest.mark.timeout(90)

@@ -68,6 +68,20 @@ def test_wants_join(monkeypatch, extra, mpi4py, joins):
     assert slurm.wants_join({**STEP, **extra}) is joins
 
 
+@pytest.mark.parametrize("without_pmi2, extra, joins", [
+    (True, {}, True),  # srun --mpi=pmi2, Open MPI without PMI-2 (Debian's): MPI_Init would abort every task
+    (False, {}, False),  # an MPI that can use PMI-2 connects the tasks, as before
+    (True, {"HOROVOD_CONTROLLER": "mpi"}, False),  # MPI asked for: mpi_job refuses, naming pmi2 and the fixes
+    (False, {"HOROVOD_CONTROLLER": "gloo"}, True),
+])
+def test_wants_join_under_pmi2(monkeypatch, without_pmi2, extra, joins):
+    monkeypatch.setattr("horovod.transport.mpi.mpi_available", lambda: True)
+    monkeypatch.setattr("horovod.transport.mpi.open_mpi_without_pmi2", lambda: without_pmi2)
+    pmi2 = {"SLURM_MPI_TYPE": "pmi2", "PMI_FD": "11", "PMI_RANK": STEP["SLURM_PROCID"],
+            "PMI_SIZE": STEP["SLURM_STEP_NUM_TASKS"], "PMI_JOBID": "417.0"}
+    assert slurm.wants_join({**STEP, **pmi2, **extra}) is joins
+
+
 def test_detect_describes_the_step(monkeypatch):
     monkeypatch.setattr(slurm, "_node_address", lambda node: {"n1": "10.0.0.1"}[node])
     env = slurm.detect({**STEP, "HOROVOD_SECRET_KEY": "ab" * 16})

@@ -38,6 +38,7 @@ the rest of ``hvd.init()`` is unchanged:
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import hashlib
 import ipaddress
@@ -175,8 +176,47 @@ def _private_dir(launcher: str) -> str:
     return path
 
 
+def _pid_namespace() -> str:
+    """This process's pid namespace: a pid in a key file is only checked in the namespace that wrote it."""
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
+
+
+def _remove_stale_key_files(directory: str) -> None:
+    """Remove the key files of rank 0s that died before their job joined (SIGKILL: nothing of theirs ran).
+
+    Only files whose writer's pid namespace is this one (a container sharing /tmp counts pids of its own)
+    and whose pid no longer exists: a live job's file is never touched.
+    """
+    own_ns = _pid_namespace()
+    if not own_ns:
+        return
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return
+    for name in names:
+        path = os.path.join(directory, name)
+        try:
+            if not stat.S_ISREG(os.lstat(path).st_mode):
+                continue
+            with open(path) as f:
+                data = json.loads(f.read(4096))
+            if data.get("pidns") != own_ns:
+                continue
+            os.kill(int(data["pid"]), 0)
+        except ProcessLookupError:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            continue
+
+
 class KeyFile:
-    """The key channel of a job on one host: a 0600 file in a 0700 directory of this user's."""
+    """The key channel of a job on one host: a 0600 file in a 0700 directory of this user's.  Rank 0 removes
+    it once every rank joined (or on SIGTERM); one left by a rank 0 killed outright is removed by the next."""
 
     holds_port = False
 
@@ -186,10 +226,12 @@ class KeyFile:
         self._written = False
 
     def publish(self, addrs: list[str], port: int, key: bytes) -> None:
+        _remove_stale_key_files(os.path.dirname(self.path))
         tmp = f"{self.path}.{os.getpid()}.tmp"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as f:
-            json.dump({"addr": addrs[0], "port": port, "key": key.hex(), "pid": os.getpid()}, f)
+            json.dump({"addr": addrs[0], "port": port, "key": key.hex(), "pid": os.getpid(),
+                       "pidns": _pid_namespace()}, f)
         os.replace(tmp, self.path)
         self._written = True
 

@@ -307,6 +307,44 @@ def test_sigterm_while_task_0_waits_removes_the_key_file(tmp_path):
     assert os.listdir(key_dir) == [], out
 
 
+def _new_key_files(key_dir, old: set[str], timeout: float = 20) -> set[str]:
+    """The key files that appeared in ``key_dir`` besides ``old`` (waited for)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        names = set(os.listdir(key_dir)) if key_dir.is_dir() else set()
+        new = {n for n in names - old if not n.endswith(".tmp")}
+        if new:
+            return new
+        time.sleep(0.05)
+    raise AssertionError(f"no new key file appeared in {key_dir}")
+
+
+def test_a_key_file_left_by_a_killed_task_0_is_removed_by_the_next_job(tmp_path):
+    """Task 0 killed outright (SIGKILL, the OOM killer) while it waits for the others runs nothing of its own:
+    its key file stayed in /tmp/horovod-srun-<uid>/ for good.  The next job's task 0 removes it; the file of
+    a task 0 still alive, and one written in another pid namespace (a container sharing /tmp), stay."""
+    key_dir = tmp_path / f"horovod-srun-{os.getuid()}"
+    killed = _join(0, 2, "slurm 44.0", tmp_path, HOROVOD_START_TIMEOUT="30")
+    (stale,) = _new_key_files(key_dir, set())
+    os.killpg(killed.pid, signal.SIGKILL)
+    killed.wait(timeout=10)
+    assert os.listdir(key_dir) == [stale]
+    foreign = key_dir / "f00.json"
+    foreign.write_text(json.dumps({"addr": "127.0.0.1", "port": 1, "key": "00", "pid": killed.pid,
+                                   "pidns": "pid:[1]"}))
+    live = _join(0, 2, "slurm 44.1", tmp_path, HOROVOD_START_TIMEOUT="30")
+    try:
+        (live_file,) = _new_key_files(key_dir, {stale, "f00.json"})
+        assert stale not in os.listdir(key_dir)
+        jobs = [_join(rank, 2, "slurm 44.2", tmp_path) for rank in (0, 1)]
+        outcomes = [_outcome(p) for p in jobs]
+        assert [rc for rc, _ in outcomes] == [0, 0], outcomes
+        assert set(os.listdir(key_dir)) == {live_file, "f00.json"}
+    finally:
+        os.killpg(live.pid, signal.SIGKILL)
+        live.wait(timeout=10)
+
+
 def test_the_sigterm_handler_is_put_back_once_every_task_joined(tmp_path):
     procs = [_join(r, 2, "slurm 44.0", tmp_path) for r in range(2)]
     done = [_outcome(p) for p in procs]

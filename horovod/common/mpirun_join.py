@@ -18,7 +18,7 @@ import os
 from collections.abc import Mapping
 
 from horovod.base.config import read_env
-from horovod.common.store_join import JoinEnv, derived_port
+from horovod.common.store_join import JoinEnv, derived_ports
 
 __all__ = ["detect"]
 
@@ -41,10 +41,12 @@ def detect(env: Mapping[str, str] | None = None) -> JoinEnv | None:
         return None  # across hosts: only MPI can tell where rank 0 is (mpi_job names mpi4py)
     ident = next((env[v].strip() for v in _ID_VARS if env.get(v, "").strip()), f"parent {os.getppid()}")
     launch_id = f"{launch.kind} {ident}"
+    ports = derived_ports(launch_id)
     rank_var, size_var, local_var = (("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE")
                                      if launch.kind == "openmpi" else ("PMI_RANK", "PMI_SIZE", "MPI_LOCALNRANKS"))
     return JoinEnv(
         launcher="mpirun", master_addr="127.0.0.1", rank=launch.rank, world_size=launch.size,
         local_rank=launch.local_rank, local_world_size=launch.size, node=0, launch_id=launch_id,
-        store_port=derived_port(launch_id), store_port_source=f"the port derived from the launch's id ({ident})",
+        store_port=ports[0], spare_ports=ports[1:],
+        store_port_source=f"the ports derived from the launch's id ({ident})",
         names=(rank_var, size_var, local_var, "this host"))

@@ -11,8 +11,9 @@ mpi4py (``--mpi=pmi2`` counts as no PMI server when the MPI is an Open MPI that 
 :func:`horovod.transport.mpi.slurm_without_pmi`).  Otherwise MPI bootstraps the job as before (``srun
 --mpi=pmix`` with mpi4py).
 
-**The port** of rank 0's store is ``HOROVOD_GLOO_RENDEZVOUS_PORT`` or one derived from the job and step ids
-(:func:`~horovod.common.store_join.derived_port`), so every task knows it without talking.
+**The port** of rank 0's store (or MUNGE door) is ``HOROVOD_GLOO_RENDEZVOUS_PORT`` or the first free of four
+derived from the job and step ids (:func:`~horovod.common.store_join.derived_ports`), so every task knows
+them without talking; the others try each (a port another program holds does not stop the job).
 
 **The key.**  ``HOROVOD_SECRET_KEY`` (exported before srun, which passes the environment on) is used when
 set.  Otherwise, on one node, rank 0 shares a fresh key through a file of this user's (as under torchrun);
@@ -25,6 +26,7 @@ rank reads at most :data:`_MAX_CREDENTIAL` bytes from it and trusts nothing it d
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -38,7 +40,8 @@ import time
 from collections.abc import Mapping
 
 from horovod.base.config import read_env, start_timeout
-from horovod.common.store_join import JoinEnv, derived_port
+from horovod.common.store_join import JoinEnv, derived_ports
+from horovod.transport.store import REFUSAL_HEADER
 
 __all__ = ["expand_hostlist", "wants_join", "detect", "MungeDoor"]
 
@@ -155,7 +158,7 @@ def detect(env: Mapping[str, str] | None = None) -> JoinEnv | None:
     job_id = env.get("SLURM_JOB_ID", "").strip()
     step_id = (env.get("SLURM_STEP_ID") or env.get("SLURM_STEPID") or "").strip()
     launch_id = f"slurm {job_id}.{step_id}"
-    port = derived_port(launch_id)
+    ports = derived_ports(launch_id)
     node_id = env.get("SLURM_NODEID", "").strip()
     master = _node_address(nodes[0])
     local_size = launch.local_size if len(nodes) > 1 else launch.size
@@ -166,8 +169,9 @@ def detect(env: Mapping[str, str] | None = None) -> JoinEnv | None:
     missing_key = ""
     if len(nodes) > 1:
         if shutil.which("munge") and shutil.which("unmunge"):
-            peer = MungeDoor(master, read_env("HOROVOD_GLOO_RENDEZVOUS_PORT", env) or port,
-                             f"{job_id}.{step_id}", launch.rank)
+            user_port = read_env("HOROVOD_GLOO_RENDEZVOUS_PORT", env)
+            peer = MungeDoor(master, user_port or ports[0], f"{job_id}.{step_id}", launch.rank,
+                             () if user_port else ports[1:])
             door = None if key_set else peer
         elif not key_set:
             missing_key = (
@@ -180,7 +184,8 @@ def detect(env: Mapping[str, str] | None = None) -> JoinEnv | None:
         launcher="srun", master_addr=master, rank=launch.rank, world_size=launch.size,
         local_rank=launch.local_rank, local_world_size=local_size,
         node=int(node_id) if node_id.isdigit() else None, launch_id=launch_id,
-        store_port=port, store_port_source=f"the port derived from the job and step ids ({job_id}.{step_id})",
+        store_port=ports[0], spare_ports=ports[1:],
+        store_port_source=f"the ports derived from the job and step ids ({job_id}.{step_id})",
         names=_NAMES, hostname=this_node, missing_key=missing_key, key_channel=door, peer_channel=peer)
 
 
@@ -196,8 +201,10 @@ class MungeDoor:
 
     holds_port = True
 
-    def __init__(self, master_addr: str, port: int, launch: str, rank: int) -> None:
+    def __init__(self, master_addr: str, port: int, launch: str, rank: int, spare_ports: tuple[int, ...] = ()) -> None:
         self.master_addr, self.port, self.launch, self.rank = master_addr, port, launch, rank
+        self.ports = (port, *spare_ports)
+        """Task 0 listens on the first free (:func:`~horovod.common.store_join.derived_ports`); ranks try each."""
         self._payload = b""
         self._listeners: list[socket.socket] = []
         self._stop_r, self._stop_w = -1, -1
@@ -208,19 +215,25 @@ class MungeDoor:
         self._payload = json.dumps({"launch": self.launch, "addr": addrs[0], "port": port,
                                     "key": key.hex()}).encode()
         _munge(self._payload)  # munged answers on this node, or the error names it now
-        try:
-            for a in addrs:  # where the store listens: where the other tasks reach this node
-                family = socket.AF_INET6 if ":" in a else socket.AF_INET
-                sock = socket.socket(family, socket.SOCK_STREAM)
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                sock.bind((a, self.port))
-                sock.listen(128)
-                self._listeners.append(sock)
-        except OSError as e:
-            self.close()
-            raise ValueError(f"task 0 could not listen on {a} port {self.port} to hand the job key to the other "
-                             f"tasks (the port derived from the job and step ids, or HOROVOD_GLOO_RENDEZVOUS_PORT): "
-                             f"{e}; set HOROVOD_GLOO_RENDEZVOUS_PORT to a free port, exported before srun") from e
+        for i, port in enumerate(self.ports):
+            self.port = port
+            try:
+                for a in addrs:  # where the store listens: where the other tasks reach this node
+                    family = socket.AF_INET6 if ":" in a else socket.AF_INET
+                    sock = socket.socket(family, socket.SOCK_STREAM)
+                    self._listeners.append(sock)
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                    sock.bind((a, self.port))
+                    sock.listen(128)
+                break
+            except OSError as e:
+                self.close()
+                if e.errno == errno.EADDRINUSE and i + 1 < len(self.ports):
+                    continue
+                tried = f"port {self.port}" if len(self.ports) == 1 else f"ports {', '.join(map(str, self.ports))}"
+                raise ValueError(f"task 0 could not listen on {a} {tried} to hand the job key to the other tasks "
+                                 "(the ports derived from the job and step ids, or HOROVOD_GLOO_RENDEZVOUS_PORT): "
+                                 f"{e}; set HOROVOD_GLOO_RENDEZVOUS_PORT to a free port, exported before srun") from e
         self._stop_r, self._stop_w = os.pipe()
         self._thread = threading.Thread(target=self._serve, name="horovod-munge-door", daemon=True)
         self._thread.start()
@@ -258,21 +271,28 @@ class MungeDoor:
 
     # ---------------------------------------------------------------------------------------- other ranks
     def fetch(self, deadline: float) -> tuple[str, int, bytes]:
+        """Task 0's (address, port, key), trying each of :attr:`ports` in turn until ``deadline``."""
         last = "nothing listened yet"
+        tries = 0
         while True:
+            self.port = self.ports[tries % len(self.ports)]
             try:
                 return self._fetch_once()
             except _StoreAtTheDoor as e:  # task 0 has the key: waiting changes nothing
                 raise ValueError(str(e)) from None
             except (OSError, ValueError) as e:
-                last = str(e)
+                last = f"{self.port}: {e}"
             if time.monotonic() >= deadline:
+                where = (f"{self.master_addr}:{self.port}" if len(self.ports) == 1 else
+                         f"{self.master_addr} (ports {', '.join(map(str, self.ports))})")
                 raise ValueError(
-                    f"rank {self.rank} could not get the job key from task 0 at {self.master_addr}:{self.port} within "
+                    f"rank {self.rank} could not get the job key from task 0 at {where} within "
                     f"the start timeout ({start_timeout():g} s): {last}.  Did task 0 call hvd.init(), and is the "
                     "port open between the nodes?  (srun started these tasks on several nodes without MPI and "
                     "without HOROVOD_SECRET_KEY, so task 0 hands out a fresh key in MUNGE credentials.)")
-            time.sleep(_POLL)
+            tries += 1
+            if tries % len(self.ports) == 0:
+                time.sleep(_POLL)
 
     def refetch(self) -> tuple[str, int, bytes] | None:
         try:
@@ -284,14 +304,17 @@ class MungeDoor:
         """Something answers at the door's port with a MUNGE credential: task 0 hands out a key (it has none).
 
         Reads only the credential's armor prefix; the credential itself is neither decoded nor kept."""
-        try:
-            with socket.create_connection((self.master_addr, self.port), timeout=2.0) as sock:
-                head = b""
-                while len(head) < len(_ARMOR) and (chunk := sock.recv(len(_ARMOR) - len(head))):
-                    head += chunk
-        except OSError:
-            return False
-        return head == _ARMOR
+        for port in self.ports:
+            try:
+                with socket.create_connection((self.master_addr, port), timeout=2.0) as sock:
+                    head = b""
+                    while len(head) < len(_ARMOR) and (chunk := sock.recv(len(_ARMOR) - len(head))):
+                        head += chunk
+            except OSError:
+                continue
+            if head == _ARMOR:
+                return True
+        return False
 
     def _fetch_once(self) -> tuple[str, int, bytes]:
         chunks: list[bytes] = []
@@ -306,13 +329,13 @@ class MungeDoor:
         if received > _MAX_CREDENTIAL:
             raise ValueError(f"{self.master_addr}:{self.port} sent more than {_MAX_CREDENTIAL} bytes: not a "
                              "Horovod task 0 of this user's")
-        if b"".join(chunks).startswith(b"HTTP/1."):
+        answer = b"".join(chunks)
+        if answer.startswith(b"HTTP/1.") and f"\r\n{REFUSAL_HEADER}: refused\r\n".encode() in answer:
             raise _StoreAtTheDoor(
                 f"rank {self.rank} has no HOROVOD_SECRET_KEY but task 0 of this srun step (at {self.master_addr}:"
                 f"{self.port}) runs Horovod's rendezvous store there, as it does when it has the key, instead of "
                 "handing out a fresh key in MUNGE credentials.  Set the same HOROVOD_SECRET_KEY in every task "
-                "(export it before srun, which passes it on), or in none.  (Or another program answers HTTP at the "
-                "port: then task 0 could not listen there and says so.)")
+                "(export it before srun, which passes it on), or in none.")
         payload = _unmunge(b"".join(chunks))
         try:
             data = json.loads(payload)

@@ -40,6 +40,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import dataclasses
+import errno
 import hashlib
 import ipaddress
 import json
@@ -57,7 +58,8 @@ from typing import Any, Protocol
 from horovod.base.config import read_env, start_timeout
 from horovod.transport import netif
 
-__all__ = ["JoinEnv", "KeyChannel", "join", "key_file_path", "derived_port", "MIN_KEY_BYTES"]
+__all__ = ["JoinEnv", "KeyChannel", "join", "key_file_path", "derived_port", "derived_ports",
+           "MIN_KEY_BYTES"]
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +68,9 @@ MIN_KEY_BYTES = 16
 
 _RECORD = "join/{launch}/host.{rank}"
 _LAYOUT = "join/{launch}/layout"
+_OWNER = "join/{launch}/store"
+"""Put by rank 0 in its store as soon as it listens: a rank that reached another job's store (same key, a
+port that collides) sees it missing and tries the next port."""
 """Store keys of a launch: ``{launch}`` is a hash of ``JoinEnv.launch_id``, so that a process of another launch
 that reaches this store (the same ``HOROVOD_SECRET_KEY`` and port in two srun steps, or two jobs whose derived
 ports collide) never takes a rank's place in this one, followed by the attempt (``.<n>``, see ``_attempts``)."""
@@ -103,6 +108,8 @@ class JoinEnv:
     """rank 0's store port when the key is given (``HOROVOD_GLOO_RENDEZVOUS_PORT`` wins); None: refused then."""
     store_port_source: str = ""
     """Where ``store_port`` comes from ("MASTER_PORT + 1"), or why there is none."""
+    spare_ports: tuple[int, ...] = ()
+    """Where rank 0's store listens when ``store_port`` is taken (derived ports: :func:`derived_ports`)."""
     names: tuple[str, str, str, str] = ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR")
     """The launcher's variables for the rank, the size, the local size and rank 0's host, as errors name them."""
     hostname: str = ""
@@ -152,6 +159,23 @@ def derived_port(launch_id: str) -> int:
     20000-31999, below Linux's ephemeral ports."""
     digest = hashlib.sha256(launch_id.encode()).digest()
     return _PORT_BASE + int.from_bytes(digest[:4], "big") % _PORT_SPAN
+
+
+DERIVED_PORTS = 4
+"""Ports derived per launch: rank 0 listens on the first one free, the others try each in turn, so a port
+taken by another program (another job's whose port collides, a service, a squatter) does not stop the job."""
+
+
+def derived_ports(launch_id: str) -> tuple[int, ...]:
+    """:func:`derived_port` of the launch, then :data:`DERIVED_PORTS` - 1 more, all distinct."""
+    ports = [derived_port(launch_id)]
+    i = 1
+    while len(ports) < DERIVED_PORTS:
+        p = derived_port(f"{launch_id}#{i}")
+        if p not in ports:
+            ports.append(p)
+        i += 1
+    return tuple(ports)
 
 
 # ---------------------------------------------------------------------------------------------- key file
@@ -333,24 +357,32 @@ def _store_addresses(env: JoinEnv) -> list[str]:
     return mine
 
 
-def _start_store(env: JoinEnv, key: bytes, port: int | None) -> tuple[list[str], int]:
-    """Start rank 0's store; returns (its addresses, the first one what rank 0 connects to; its port)."""
+def _start_store(env: JoinEnv, key: bytes, ports: list[int | None]) -> tuple[list[str], int]:
+    """Start rank 0's store on the first of ``ports`` free (None: any); returns (its addresses, the first one
+    what rank 0 connects to; its port)."""
     global _server
     from horovod.runner.rendezvous import RendezvousServer
     from horovod.transport import tls as tls_mod
 
     addrs = _store_addresses(env)
-    server = RendezvousServer(key, addr=addrs[0], port=port or 0, tls=tls_mod.resolve(None))
     where = "HOROVOD_GLOO_RENDEZVOUS_PORT" if read_env("HOROVOD_GLOO_RENDEZVOUS_PORT") else env.store_port_source
-    try:
-        bound = server.start()
-        for a in addrs[1:]:
-            _listen_on(server, a, bound)
-    except OSError as e:
-        server.stop()
-        raise ValueError(f"rank 0 could not listen on {addrs} port {port} for Horovod's rendezvous store "
-                         f"({where}): {e}; set HOROVOD_GLOO_RENDEZVOUS_PORT to a free port, the same on every "
-                         "rank") from e
+    for i, port in enumerate(ports):
+        server = RendezvousServer(key, addr=addrs[0], port=port or 0, tls=tls_mod.resolve(None))
+        try:
+            bound = server.start()
+            for a in addrs[1:]:
+                _listen_on(server, a, bound)
+            break
+        except OSError as e:
+            server.stop()
+            if e.errno == errno.EADDRINUSE and i + 1 < len(ports):
+                log.debug("%s job: port %s taken (%s), rank 0's store tries port %s", env.launcher, port, e,
+                          ports[i + 1])
+                continue
+            tried = f"port {port}" if len(ports) == 1 else f"ports {', '.join(map(str, ports))}"
+            raise ValueError(f"rank 0 could not listen on {addrs} {tried} for Horovod's rendezvous store "
+                             f"({where}): {e}; set HOROVOD_GLOO_RENDEZVOUS_PORT to a free port, the same on every "
+                             "rank") from e
     _server = server
     log.debug("%s job: rendezvous store of rank 0 listening on %s", env.launcher, server.addresses)
     return addrs, bound
@@ -412,7 +444,7 @@ def join(env: JoinEnv) -> None:
     """
     global _channel, _attempts
     from horovod.base import auth
-    from horovod.transport.store import StoreClient, StoreError
+    from horovod.transport.store import StoreClient, StoreError, UnprovenAnswer
 
     if env.world_size == 1:
         return
@@ -429,19 +461,23 @@ def join(env: JoinEnv) -> None:
         if channel is None:
             raise ValueError(env.missing_key)
     port = None if channel is not None and channel.holds_port else read_env("HOROVOD_GLOO_RENDEZVOUS_PORT")
+    ports: list[int | None] = [port]
     if port is None and channel is None:
         if env.store_port is None:
             raise ValueError(f"{env.store_port_source}: set HOROVOD_GLOO_RENDEZVOUS_PORT to a free port for "
                              "Horovod's rendezvous store, the same on every rank")
         port = env.store_port
+        ports = [port, *env.spare_ports]
 
+    launch_hash = hashlib.sha256(env.launch_id.encode()).hexdigest()[:16]
     if env.rank == 0:
         if _server is not None:  # an earlier init() of this process failed after starting it
             addr, port, key = _server.addr, _server.port, _server.key
         else:
             key = key or auth.make_secret_key()
-            addrs, port = _start_store(env, key, port)
+            addrs, port = _start_store(env, key, ports)
             addr = addrs[0]
+            StoreClient(addr, port, key, timeout=timeout).put(_OWNER.format(launch=launch_hash), b"")
             if channel is not None:
                 channel.publish(addrs, port, key)
                 _channel = channel
@@ -454,31 +490,39 @@ def join(env: JoinEnv) -> None:
     assert key is not None and port is not None
 
     hostname = read_env("HOROVOD_HOSTNAME") or env.hostname or socket.gethostname()
-    launch = f"{hashlib.sha256(env.launch_id.encode()).hexdigest()[:16]}.{_attempts + 1}"
+    launch = f"{launch_hash}.{_attempts + 1}"
     token = secrets.token_hex(8)
     next_check = 0.0  # when a rank with the key next looks whether rank 0 hands out one (it has none then)
     record = {"rank": env.rank, "world_size": env.world_size, "host": hostname,
               "node": f"group {env.node}" if env.node is not None and env.local_rank is not None else hostname,
               "local_rank": env.local_rank, "local_size": env.local_world_size,
               "addr": netif.route_source(addr) or "", "token": token}
+    tries = 0
     while True:
         client = StoreClient(addr, port, key, timeout=max(1.0, min(10.0, deadline - time.monotonic())))
         try:
+            if channel is None and not client.exists(_OWNER.format(launch=launch_hash)):
+                raise StoreError(f"the rendezvous store at {addr}:{port} is another job's (one with the same key)")
             client.put(_RECORD.format(launch=launch, rank=env.rank), json.dumps(record).encode())
             _attempts += 1
             break
         except StoreError as e:
-            refused = "is not signed with this job's key" in str(e)
-            if refused and channel is None:
+            if isinstance(e, UnprovenAnswer) and e.refused and channel is None:
                 raise ValueError(f"rank {env.rank}: the rendezvous store of rank 0 at {addr}:{port} refused this "
                                  "rank's key: every rank needs the same HOROVOD_SECRET_KEY") from e
             if channel is None and time.monotonic() >= next_check:
                 next_check = time.monotonic() + 1.0
                 _refuse_if_rank_0_has_no_key(env, e)
             if time.monotonic() >= deadline:
-                raise ValueError(f"rank {env.rank} could not reach the rendezvous store of rank 0 at {addr}:{port} "
+                where = f"{addr}:{port}" if len(ports) == 1 else f"{addr} (ports {', '.join(map(str, ports))})"
+                raise ValueError(f"rank {env.rank} could not reach the rendezvous store of rank 0 at {where} "
                                  f"within the start timeout ({timeout:g} s): {e}.  Is {env.names[0]}=0 running "
                                  "hvd.init(), and is the port open between the hosts?") from e
+            tries += 1
+            if channel is None and len(ports) > 1:  # rank 0 listens on the first of them it found free
+                port = ports[tries % len(ports)]
+                if tries % len(ports):
+                    continue
             time.sleep(_POLL)
             if channel is not None:  # a stale file of an earlier job: rank 0 replaces it when its store is up
                 addr, port, key = channel.refetch() or (addr, port, key)

@@ -710,7 +710,8 @@ def _phrase(status: int) -> str:
 
 
 def _unsigned(status: int) -> bytes:
-    return (f"HTTP/1.1 {status} {_phrase(status)}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
-            ).encode("latin-1")
+    """A refusal of a request that did not prove the key (so it cannot be signed for its sender)."""
+    return (f"HTTP/1.1 {status} {_phrase(status)}\r\n{store_mod.REFUSAL_HEADER}: refused\r\nContent-Length: 0\r\n"
+            "Connection: close\r\n\r\n").encode("latin-1")
 
 

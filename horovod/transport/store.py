@@ -31,13 +31,16 @@ import urllib.parse
 from horovod.base import auth
 from horovod.transport import tls as tls_mod
 
-__all__ = ["StoreClient", "InMemoryStore", "StoreError", "request_digest", "answer_digest", "sign_request",
-           "NONCE_HEADER", "TIME_HEADER", "BODY_HASH_HEADER", "DIGEST_HEADER"]
+__all__ = ["StoreClient", "InMemoryStore", "StoreError", "UnprovenAnswer", "request_digest", "answer_digest",
+           "sign_request", "NONCE_HEADER", "TIME_HEADER", "BODY_HASH_HEADER", "DIGEST_HEADER", "REFUSAL_HEADER"]
 
 NONCE_HEADER = "X-Horovod-Nonce"
 TIME_HEADER = "X-Horovod-Time"
 BODY_HASH_HEADER = "X-Horovod-Body-SHA256"
 DIGEST_HEADER = "X-Horovod-Digest"
+REFUSAL_HEADER = "X-Horovod-Store"
+"""On the store's unsigned refusals of requests that did not prove the key: tells a client with the wrong key
+from one that reached some other program (unauthenticated: it only words the client's error)."""
 
 MAX_ANSWER_HEAD_BYTES = 8 * 1024
 """Most bytes of an answer's status line and headers read before its signature is checked."""
@@ -56,6 +59,15 @@ _TOKEN = frozenset("!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHI
 class StoreError(RuntimeError):
     """The store could not be reached, refused the request, answered without proof of the key, or the key
     did not appear in time."""
+
+
+class UnprovenAnswer(StoreError):
+    """The answer does not prove the job's key.  ``refused``: it says it is a Horovod store's refusal of the
+    request's signature (this process has the wrong key); otherwise whatever answered is no Horovod store."""
+
+    def __init__(self, message: str, refused: bool) -> None:
+        super().__init__(message)
+        self.refused = refused
 
 
 def _now_ms() -> int:
@@ -241,10 +253,14 @@ class StoreClient:
             digest = body_sha = b""
         expected = answer_digest(self.key, nonce, method, path, status, length, body_sha)
         if not body_sha or not hmac.compare_digest(expected, digest):
-            raise StoreError(
+            refused = status == 403 and headers.get(REFUSAL_HEADER.lower()) == "refused"
+            raise UnprovenAnswer(
                 f"{self._where()}: the answer to {method} {path} (HTTP {status}) is not signed with this job's key; "
-                "refusing it.  Either this process's HOROVOD_SECRET_KEY is not the job's key (the store then "
-                "refuses the request), or what answered on that port is not the job's rendezvous store.")
+                "refusing it.  " + ("It says the store refused this request's signature: this process's "
+                                    "HOROVOD_SECRET_KEY is not the job's key." if refused else
+                                    "Either this process's HOROVOD_SECRET_KEY is not the job's key (the store then "
+                                    "refuses the request), or what answered on that port is not the job's "
+                                    "rendezvous store."), refused)
         body = bytearray(length)
         got = min(length, len(buf) - end - 4)
         body[:got] = buf[end + 4:end + 4 + got]

@@ -232,6 +232,26 @@ def test_door_port_in_use_is_named():
             d.publish(["127.0.0.1"], 4242, os.urandom(32))
 
 
+@needs_munged
+def test_door_listens_on_a_spare_port_and_ranks_skip_what_is_no_door():
+    """The door's derived port held by another program (an HTTP server here): task 0 could not listen and the
+    job failed.  It listens on the next derived port; the ranks read the other program's answer, refuse it,
+    and get the key at the next port."""
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        threading.Thread(target=_answer_garbage, args=(taken,), daemon=True).start()
+        spare = _free_port()
+        d = slurm.MungeDoor("127.0.0.1", taken.getsockname()[1], "42.0", 0, (spare,))
+        key = os.urandom(32)
+        d.publish(["127.0.0.1"], 4242, key)
+        try:
+            assert d.port == spare
+            rank = slurm.MungeDoor("127.0.0.1", taken.getsockname()[1], "42.0", 1, (spare,))
+            assert rank.fetch(time.monotonic() + 10) == ("127.0.0.1", 4242, key)
+            assert rank.serves()
+        finally:
+            d.close()
+
+
 def test_fetch_gives_up_at_the_deadline_naming_task_0():
     port = _free_port()
     start = time.monotonic()
@@ -253,13 +273,15 @@ if os.environ["HOROVOD_RANK"] == "0":
 """
 
 
-def _join(rank: int, world_size: int, launch_id: str, tmp_path, port: int | None = None, **environ: str):
-    """A process that joins as ``rank`` of an srun-like launch on this host (rank 0 runs the store)."""
+def _join(rank: int, world_size: int, launch_id: str, tmp_path, port: int | None = None,
+          spares: tuple[int, ...] = (), **environ: str):
+    """A process that joins as ``rank`` of an srun-like launch on this host (rank 0 runs the store at ``port``,
+    else at the first of ``spares`` free)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HOROVOD_", "SLURM_", "OMPI_", "PMI"))}
     env.update(PYTHONPATH=REPO, TMPDIR=str(tmp_path), **environ)
     spec = {"launcher": "srun", "master_addr": "127.0.0.1", "rank": rank, "world_size": world_size,
             "local_rank": rank, "local_world_size": world_size, "node": 0, "launch_id": launch_id,
-            "store_port": port, "store_port_source": "the test's port"}
+            "store_port": port, "store_port_source": "the test's port", "spare_ports": spares}
     return subprocess.Popen([sys.executable, "-c", _JOIN, json.dumps(spec)], env=env, cwd=REPO, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -278,7 +300,9 @@ def test_a_process_of_another_step_with_the_same_key_and_port_never_joins(tmp_pa
     """Two srun steps with the same ``HOROVOD_SECRET_KEY`` and ``HOROVOD_GLOO_RENDEZVOUS_PORT`` (or whose
     derived ports collide): step B's task 0 cannot listen, and step B's task 1 reached step A's store.  It
     used to take task 1's place in step A (whose own task 1 then failed: 'another process also has
-    SLURM_PROCID=1'): the two steps mixed.  Records are per launch now: step A runs, step B's task fails."""
+    SLURM_PROCID=1'): the two steps mixed.  Records are per launch, and a rank writes its record only into a
+    store whose rank 0 marked it as its launch's: step A runs, step B's task (its task 0 absent) fails naming
+    the store as another job's."""
     port = _free_port()
     common = {"HOROVOD_SECRET_KEY": os.urandom(32).hex(), "HOROVOD_START_TIMEOUT": "3"}
     a0 = _join(0, 2, "slurm 42.0", tmp_path, port, **common)
@@ -288,7 +312,35 @@ def test_a_process_of_another_step_with_the_same_key_and_port_never_joins(tmp_pa
     (rc_a0, out_a0), (rc_a1, out_a1), (rc_b1, out_b1) = (_outcome(p) for p in (a0, a1, b1))
     assert (rc_a0, rc_a1) == (0, 0), out_a0 + out_a1 + out_b1
     assert rc_b1 not in (0, None) and "JOINED" not in out_b1, out_b1
-    assert "the srun job's layout" in out_b1, out_b1
+    assert f"the rendezvous store at 127.0.0.1:{port} is another job's (one with the same key)" in out_b1, out_b1
+
+
+def test_two_steps_whose_derived_ports_collide_both_run(tmp_path):
+    """Two steps with the same key whose derived ports collide (or whose port another program holds): step B's
+    task 0 could not listen ('set HOROVOD_GLOO_RENDEZVOUS_PORT'), and the job failed.  Task 0 now listens on
+    the first of the launch's derived ports free; its tasks try each, skipping a store that is not their
+    launch's and a program that is no Horovod store."""
+    port, spare_b, spare_c = _free_port(), _free_port(), _free_port()
+    common = {"HOROVOD_SECRET_KEY": os.urandom(32).hex(), "HOROVOD_START_TIMEOUT": "20"}
+    a0 = _join(0, 2, "slurm 42.0", tmp_path, port, **common)
+    time.sleep(1.5)  # step A's store holds the port
+    with socket.create_server(("127.0.0.1", spare_b)) as squatter:  # a program that is no store
+        threading.Thread(target=_answer_garbage, args=(squatter,), daemon=True).start()
+        b = [_join(rank, 2, "slurm 42.1", tmp_path, port, (spare_b, spare_c), **common) for rank in (1, 0)]
+        a1 = _join(1, 2, "slurm 42.0", tmp_path, port, **common)
+        outcomes = [_outcome(p) for p in (a0, a1, *b)]
+    assert [rc for rc, _ in outcomes] == [0] * 4, outcomes
+    assert all("JOINED" in out for _, out in outcomes), outcomes
+
+
+def _answer_garbage(server: socket.socket) -> None:
+    while True:
+        try:
+            conn, _ = server.accept()
+        except OSError:
+            return
+        with conn:
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nhi")
 
 
 def test_sigterm_while_task_0_waits_removes_the_key_file(tmp_path):
@@ -370,12 +422,19 @@ def test_key_in_one_task_only_is_named_at_once(tmp_path):
 
 def test_a_rank_without_the_key_at_task_0s_store_is_told_at_once():
     """Across nodes, task 0 has ``HOROVOD_SECRET_KEY`` (its store is at the port) and this task has none (it
-    expects the MUNGE door there): the store's HTTP answer says so, without waiting for the deadline."""
-    port, t = _fake_door(b"HTTP/1.1 408 Request Timeout\r\nContent-Length: 0\r\n\r\n")
+    expects the MUNGE door there): the store's HTTP answer says so, without waiting for the deadline.  Another
+    program's HTTP answer is not taken for it (task 0 may be at the next port)."""
+    from horovod.runner.rendezvous import _unsigned
+
+    port, t = _fake_door(_unsigned(408))
     start = time.monotonic()
     with pytest.raises(ValueError, match="rank 1 has no HOROVOD_SECRET_KEY but task 0 of this srun step"):
         slurm.MungeDoor("127.0.0.1", port, "slurm 42.0", 1).fetch(time.monotonic() + 30)
     assert time.monotonic() - start < 10
+    t.join(timeout=10)
+    port, t = _fake_door(b"HTTP/1.1 408 Request Timeout\r\nContent-Length: 0\r\n\r\n")
+    with pytest.raises(ValueError, match="rank 1 could not get the job key from task 0 at 127.0.0.1:"):
+        slurm.MungeDoor("127.0.0.1", port, "slurm 42.0", 1).fetch(time.monotonic() + 2)
     t.join(timeout=10)
 
 

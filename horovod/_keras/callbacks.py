@@ -6,12 +6,14 @@ The front-ends call :func:`make_callbacks` once and export the returned classes,
 from __future__ import annotations
 
 import logging
+import zlib
 from types import SimpleNamespace
 
 import numpy as np
 import tensorflow as tf
 
 from horovod._keras import require_tensorflow_backend
+from horovod.base.exceptions import PreconditionError
 from horovod.common import basics as _basics
 from horovod.common import ops as _ops
 from horovod.common.process_sets import global_process_set
@@ -101,20 +103,31 @@ def make_callbacks(keras) -> SimpleNamespace:
             self.device = device
             self.process_set = process_set
 
-        def _average(self, logs) -> None:
-            if not logs or _basics.size() <= 1:
+        def _average(self, logs, epoch) -> None:
+            if logs is None or _basics.size() <= 1:
                 return
             keys = sorted(k for k, v in logs.items() if np.ndim(v) == 0 and np.isscalar(np.asarray(v).item()))
-            if not keys:
-                return
-            values = np.array([float(np.asarray(logs[k])) for k in keys], dtype=np.float64)
-            avg = _ops.allreduce(values, name=f"MetricAverageCallback.{len(keys)}." + ".".join(keys)[:200],
-                                 process_set=self.process_set).wait()
-            for k, v in zip(keys, avg):
+            # One row per rank, [crc of the metric names, values...], gathered under one name: ranks whose logs
+            # hold other metrics (a callback writing into logs on rank 0 only, placed before this one; metrics
+            # compiled on some ranks) get an error on every rank, where reductions named after the metrics
+            # never paired up and every rank waited forever.
+            tag = float(zlib.crc32("\0".join(keys).encode()))
+            row = np.array([[tag] + [float(np.asarray(logs[k])) for k in keys]], dtype=np.float64)
+            mismatch = ValueError(
+                f"MetricAverageCallback: the ranks' logs hold different metrics at the end of epoch {epoch + 1} "
+                f"(this rank's: {keys}); every rank must compile the same metrics, and a callback that writes "
+                "into logs on some ranks only must come after MetricAverageCallback in the callbacks list")
+            try:
+                rows = _ops.allgather(row, name="MetricAverageCallback", process_set=self.process_set).wait()
+            except PreconditionError as e:  # another number of metrics: the rows' shapes differ
+                raise mismatch from e
+            if np.any(rows[:, 0] != tag):
+                raise mismatch
+            for k, v in zip(keys, rows[:, 1:].mean(axis=0)):
                 logs[k] = float(v)
 
         def on_epoch_end(self, epoch, logs=None) -> None:
-            self._average(logs)
+            self._average(logs, epoch)
 
     class LearningRateScheduleCallback(keras.callbacks.Callback):
         """Multiply the initial learning rate by ``multiplier`` (a constant ``m`` means

@@ -196,6 +196,33 @@ def test_fit_equivalence(wrap):
     assert_same_on_all_ranks(model.get_weights())
 
 
+def test_metric_average_averages_every_metric_alike_on_every_rank():
+    logs = {"loss": float(hvd.rank() + 1), "mae": 2.0 * hvd.rank(), "lr": 0.5}
+    hvdk.callbacks.MetricAverageCallback().on_epoch_end(0, logs)
+    n = hvd.size()
+    assert logs == pytest.approx({"loss": (n + 1) / 2, "mae": float(n - 1), "lr": 0.5})
+
+
+@pytest.mark.parametrize("extra", ["added", "renamed"])
+def test_metric_average_with_other_metrics_on_some_ranks_fails_on_every_rank(extra):
+    # A careless script: a callback that writes into logs on rank 0 only, placed before MetricAverageCallback
+    # (or metrics compiled on one rank only).  Every rank used to wait forever for a reduction of another name.
+    logs = {"loss": 1.0, "accuracy": 0.5}
+    if hvd.rank() == 0:
+        if extra == "added":
+            logs["val_extra"] = 3.0
+        else:
+            logs["val_extra"] = logs.pop("accuracy")
+    with pytest.raises(ValueError, match=r"MetricAverageCallback: the ranks' logs hold different metrics .*"
+                                         r"this rank's: \['accuracy', 'loss'\]|"
+                                         r"MetricAverageCallback: the ranks' logs hold different metrics .*"
+                                         r"this rank's: \['loss', 'val_extra'\]|"
+                                         r"MetricAverageCallback: the ranks' logs hold different metrics .*"
+                                         r"this rank's: \['accuracy', 'loss', 'val_extra'\]"):
+        hvdk.callbacks.MetricAverageCallback().on_epoch_end(0, logs)
+    hvd.barrier()  # nothing left in flight: the next test's collectives pair up
+
+
 @pytest.mark.parametrize("shard_data", [False, True])
 def test_distributed_model_fit_with_validation_data(shard_data):
     """Keras' fit runs validation through ``self.evaluate(..., callbacks=<its CallbackList>)``, which is the

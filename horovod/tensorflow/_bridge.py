@@ -37,6 +37,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import tensorflow as tf
 
+from horovod.common.basics import NOT_INITIALIZED
 from horovod.common.exceptions import AbortedError, HorovodInternalError, PreconditionError, ShutdownError
 from horovod.tensorflow import _session_bridge
 
@@ -63,6 +64,8 @@ def to_tf_error(e: BaseException) -> BaseException:
     if isinstance(e, HorovodInternalError):
         return tf.errors.UnknownError(None, None, msg)
     if isinstance(e, ValueError):
+        if msg == NOT_INITIALIZED:  # upstream's kernels check initialisation first: a PRECONDITION status
+            return tf.errors.FailedPreconditionError(None, None, msg)
         return tf.errors.InvalidArgumentError(None, None, msg)
     return e
 

@@ -1,0 +1,51 @@
+"""horovod.tensorflow collectives called before hvd.init(): upstream's kernels check initialisation first and
+fail with a PRECONDITION status, so eager calls raise ``tf.errors.FailedPreconditionError`` with upstream's
+text (HOROVOD_SPEC §1.3); the queries keep their ``ValueError``.  A fresh process, outside any launcher."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("tensorflow")
+
+ROOT = Path(__file__).resolve().parent.parent
+CODE = """
+import numpy as np
+import tensorflow as tf
+import horovod.tensorflow as hvd
+calls = {
+    "allreduce": lambda: hvd.allreduce(tf.ones(2)),
+    "grouped_allreduce": lambda: hvd.grouped_allreduce([tf.ones(2)]),
+    "allgather": lambda: hvd.allgather(tf.ones(2)),
+    "broadcast": lambda: hvd.broadcast(tf.ones(2), 0),
+    "alltoall": lambda: hvd.alltoall(tf.ones(2)),
+    "reducescatter": lambda: hvd.reducescatter(tf.ones(2)),
+    "broadcast_variables": lambda: hvd.broadcast_variables([tf.Variable(1.0)], 0),
+    "size": hvd.size,
+}
+for name, fn in calls.items():
+    try:
+        fn()
+    except Exception as e:
+        print(name, type(e).__name__, str(e))
+    else:
+        print(name, "no error")
+"""
+
+
+def test_eager_collectives_before_init_are_failed_precondition():
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HOROVOD_", "OMPI_", "PMI_", "SLURM_"))}
+    env.update(PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""), TF_CPP_MIN_LOG_LEVEL="3",
+               CUDA_VISIBLE_DEVICES="")
+    out = subprocess.run([sys.executable, "-c", CODE], capture_output=True, text=True, timeout=120, env=env,
+                         cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-4000:]
+    text = "Horovod has not been initialized; use hvd.init()."
+    lines = dict(line.split(" ", 1) for line in out.stdout.splitlines())
+    for name in ("allreduce", "grouped_allreduce", "allgather", "broadcast", "alltoall", "reducescatter",
+                 "broadcast_variables"):
+        assert lines[name] == f"FailedPreconditionError {text}", (name, lines[name])
+    assert lines["size"] == f"ValueError {text}"

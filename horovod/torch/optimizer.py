@@ -76,7 +76,8 @@ class _Bucket:
     """A flat buffer shared by several small gradients (``slots[i]`` is ``params[i]``'s view of it) and this
     step's fill state: which slots hold their gradient, which parameters went their own way (sparse)."""
 
-    __slots__ = ("name", "params", "flat", "slots", "filled", "skipped", "launched", "layout_checked_in")
+    __slots__ = ("name", "params", "flat", "slots", "filled", "skipped", "sparse_dims", "launched",
+                 "layout_checked_in")
 
     def __init__(self, name: str, params: list[torch.Tensor]) -> None:
         self.params = params
@@ -94,11 +95,15 @@ class _Bucket:
             offset += p.numel()
         self.filled: set[int] = set()
         self.skipped: set[int] = set()
+        # slot i -> sparse_dim() of a sparse gradient reduced densely in its slot (sparse_as_dense): handed back
+        # in that layout
+        self.sparse_dims: dict[int, int] = {}
         self.launched = False
 
     def reset(self) -> None:
         self.filled.clear()
         self.skipped.clear()
+        self.sparse_dims.clear()
         self.launched = False
 
     def shapes(self) -> list[tuple[int, ...]]:
@@ -130,9 +135,12 @@ class _BucketReduction:
         if self.layouts is not None:
             self._check_layouts(synchronize(self.layouts))
         synchronize(self.handle)
-        members = [i for i in range(len(bucket.params)) if i not in bucket.skipped] if bucket.skipped \
-            else range(len(bucket.params))
+        members = [i for i in range(len(bucket.params))
+                   if i not in bucket.skipped and i not in bucket.sparse_dims] \
+            if bucket.skipped or bucket.sparse_dims else range(len(bucket.params))
         torch._foreach_copy_([bucket.params[i].grad for i in members], [bucket.slots[i] for i in members])
+        for i, sparse_dim in bucket.sparse_dims.items():
+            bucket.params[i].grad = bucket.slots[i].clone().to_sparse(sparse_dim)
 
     def _check_layouts(self, sums: torch.Tensor) -> None:
         bucket = self.bucket
@@ -211,6 +219,7 @@ class _DistributedOptimizer:
             (set_size or 0) > 1 or read_env("HOROVOD_ELASTIC"))
         self._requires_update: list[torch.Tensor] = []
         self._frozen: list[torch.Tensor] = []  # parameters that did not require a gradient when registered
+        self._sparse_dims: dict[torch.Tensor, int] = {}  # parameters whose gradients have been sparse: sparse_dim
         self._register_hooks(p for group in optimizer.param_groups for p in group["params"])
 
     # ------------------------------------------------------------------ looks like the wrapped optimizer
@@ -397,15 +406,38 @@ class _DistributedOptimizer:
             bucket.skipped.add(i)
             self._launch([p])
             return
-        if grad is None or grad.is_sparse or grad.dtype != bucket.flat.dtype:
-            bucket.skipped.add(i)  # reduced on its own (sparse, or no gradient yet: zeros)
-            self._launch([p])
-        elif grad.data_ptr() != bucket.slots[i].data_ptr():
-            bucket.slots[i].copy_(grad)
+        if grad is None:
+            p.grad = grad = self._no_grad(p)
+        self._put(bucket, i, grad)
         self._reduced_grads[p] = weakref.ref(grad)
         bucket.filled.add(i)
         if len(bucket.filled) == len(bucket.params):
             self._launch_bucket(bucket)
+
+    def _put(self, bucket: _Bucket, i: int, grad: torch.Tensor) -> None:
+        """Parameter i's gradient into its slot, or reduced on its own.  What a rank without this gradient
+        sends must match what the others send: zeros in the slot (a dense gradient, or a sparse one with
+        ``sparse_as_dense``: densely in the slot, as upstream reduced it, handed back sparse), or an empty
+        sparse gradient alone (see :meth:`_no_grad`)."""
+        if grad.is_sparse and self.sparse_as_dense and grad.dtype == bucket.flat.dtype:
+            bucket.slots[i].copy_(grad.to_dense())
+            bucket.sparse_dims[i] = grad.sparse_dim()
+        elif grad.is_sparse or grad.dtype != bucket.flat.dtype:
+            bucket.skipped.add(i)  # reduced on its own
+            self._launch([bucket.params[i]])
+        elif grad.data_ptr() != bucket.slots[i].data_ptr():
+            bucket.slots[i].copy_(grad)
+
+    def _no_grad(self, p: torch.Tensor) -> torch.Tensor:
+        """The gradient a rank contributes for a parameter its backward passes did not reach: zeros, sparse
+        (no entries) for a parameter whose gradients have been sparse, so that it takes the same path as the
+        other ranks' sparse gradients (two allgathers; dense zeros were an allreduce that nobody matched)."""
+        sparse_dim = self._sparse_dims.get(p)
+        if sparse_dim is not None and not self.sparse_as_dense:
+            return torch.sparse_coo_tensor(torch.zeros((sparse_dim, 0), dtype=torch.int64),
+                                           torch.zeros((0,) + tuple(p.shape[sparse_dim:]), dtype=p.dtype), p.shape,
+                                           check_invariants=False)
+        return torch.zeros_like(p, memory_format=torch.contiguous_format)
 
     def _launch_bucket(self, bucket: _Bucket) -> None:
         """Start the bucket's allreduce; slots whose hook never fired get the parameter's gradient (or zeros,
@@ -416,13 +448,9 @@ class _DistributedOptimizer:
             if i not in bucket.filled:
                 p = bucket.params[i]
                 if p.grad is None:
-                    p.grad = torch.zeros_like(p, memory_format=torch.contiguous_format)
+                    p.grad = self._no_grad(p)
                 bucket.filled.add(i)
-                if p.grad.is_sparse or p.grad.dtype != bucket.flat.dtype:
-                    bucket.skipped.add(i)
-                    self._launch([p])
-                else:
-                    bucket.slots[i].copy_(p.grad)
+                self._put(bucket, i, p.grad)
                 self._reduced_grads[p] = weakref.ref(p.grad)
         prescale, postscale = predivide_scales(self.op, self.gradient_predivide_factor)
         bucket.launched = True
@@ -438,7 +466,9 @@ class _DistributedOptimizer:
     def _launch(self, params: Sequence[torch.Tensor], group_id: int | None = None) -> None:
         for p in params:
             if p.grad is None:  # no gradient on this rank (unused parameter): contribute zeros
-                p.grad = torch.zeros_like(p, memory_format=torch.contiguous_format)
+                p.grad = self._no_grad(p)
+            elif p.grad.is_sparse:
+                self._sparse_dims[p] = p.grad.sparse_dim()
         prescale, postscale = predivide_scales(self.op, self.gradient_predivide_factor)
         first = params[0]
         if group_id is None and first.grad.is_sparse and not self.sparse_as_dense:

@@ -88,3 +88,38 @@ def test_sparse_as_dense_reduces_densely_in_a_group():
     model, seen = train(sparse_adam, distributed=True, sparse_as_dense=True, groups=1)
     assert all(seen)
     torch.testing.assert_close(model.emb.weight, ref.emb.weight, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("sparse_as_dense", [True, False])
+def test_embedding_unused_on_one_rank_in_a_step(sparse_as_dense):
+    """A dynamic forward: in step 1 rank 0 does not use the embedding (no gradient: zeros), the others do
+    (sparse).  The embedding is small and shares a bucket with the head; the sparse gradients used to leave
+    it to be reduced alone while rank 0 sent its zeros in the bucket: a stall.  Reference: one process,
+    the ranks' losses averaged."""
+    if SIZE == 1:
+        pytest.skip("one rank reduces nothing")
+
+    def losses(model, step, ids, y, ranks):
+        out = []
+        for r in ranks:
+            rows = slice(r * ROWS, (r + 1) * ROWS)
+            if r == 0 and step == 1:
+                pred = model.head(torch.ones(ROWS, DIM)).squeeze(1)  # the embedding is not used
+            else:
+                pred = model(ids[rows])
+            out.append(((pred - y[rows]) ** 2).mean())
+        return out
+
+    ref, model = Model(True), Model(True)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters(), sparse_as_dense=sparse_as_dense)
+    for step, (ids, y) in enumerate(global_batches()):
+        ref_opt.zero_grad()
+        (sum(losses(ref, step, ids, y, range(SIZE))) / SIZE).backward()
+        ref_opt.step()
+        opt.zero_grad()
+        losses(model, step, ids, y, [RANK])[0].backward()
+        opt.step()
+    for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)

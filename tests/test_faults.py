@@ -250,6 +250,96 @@ def test_grouped_lists_of_different_lengths_end_the_job_within_seconds(tmp_path)
     assert code != 0
 
 
+@pytest.mark.parametrize("differ", ["extra_layers", "frozen_layer", "extra_large_layer"])
+def test_torch_models_with_other_parameters_end_the_job_within_seconds(tmp_path, differ):
+    """``DistributedOptimizer`` over a 40-block model where the last rank's model differs in its parameters: two
+    blocks more (all in small-gradient buckets), a block frozen, or one more large layer (reduced alone).  Their
+    gradients are reduced under names the other ranks never send, and the job waited forever, the stall warning
+    naming them every minute.  Every rank now fails the first step at once, naming the mismatch."""
+    pytest.importorskip("torch")
+    body = f"""
+        import torch
+        import horovod.torch as hvd
+        hvd.init()
+        last = hvd.rank() == hvd.size() - 1
+        differ = {differ!r}
+        blocks = 40 + (2 if last and differ == "extra_layers" else 0)
+        layers = [torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.LayerNorm(16)) for _ in range(blocks)]
+        if last and differ == "extra_large_layer":
+            layers.append(torch.nn.Linear(16, 40_000))
+        model = torch.nn.Sequential(*layers)
+        if last and differ == "frozen_layer":
+            model[3].requires_grad_(False)
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                       named_parameters=model.named_parameters())
+        t0 = time.monotonic()
+        try:
+            model(torch.randn(4, 16)).sum().backward()
+            opt.step()
+            report(ok=True)
+        except Exception as e:
+            report(error=str(e), type=type(e).__name__, elapsed=time.monotonic() - t0)
+            raise
+    """
+    t0 = time.monotonic()
+    code, out = _run(tmp_path, 3, body, timeout=90.0, OMP_NUM_THREADS="1")
+    assert time.monotonic() - t0 < 60, "the job took too long to end"
+    reports = _reports(tmp_path, 3)
+    assert sorted(reports) == [0, 1, 2], out
+    last_rank = {"extra_layers": 4 * 42, "frozen_layer": 4 * 40 - 4, "extra_large_layer": 4 * 40 + 2}[differ]
+    for r in range(3):
+        assert reports[r]["type"] == "PreconditionError", reports[r]
+        count = last_rank if r == 2 else 4 * 40
+        assert reports[r]["error"].startswith(
+            "Mismatched parameters: the ranks' DistributedOptimizers do not reduce the same parameters; this "
+            f"rank's {count} trainable parameters run from 0.0.weight to "), reports[r]
+        assert reports[r]["elapsed"] < 15, reports[r]
+    assert code != 0
+
+
+@pytest.mark.parametrize("prefixed", [False, True], ids=["same-names", "prefixed"])
+def test_two_torch_optimizers_over_parameters_of_the_same_names(tmp_path, prefixed):
+    """A GAN: a generator and a discriminator built alike, each with its ``DistributedOptimizer``; one backward
+    pass reaches both models' parameters.  With the same parameter names, upstream's duplicate-name error did
+    not say why; it now names the other optimizer and the fix (prefixes), and the job ends.  With prefixes
+    both train, and the parameter check of each (named after its first parameter) never meets the other's."""
+    pytest.importorskip("torch")
+    body = f"""
+        import torch
+        import horovod.torch as hvd
+        hvd.init()
+        torch.manual_seed(0)
+        G = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+        D = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
+        og = hvd.DistributedOptimizer(torch.optim.SGD(G.parameters(), lr=0.1),
+                                      named_parameters=G.named_parameters(prefix="G" if {prefixed} else ""))
+        od = hvd.DistributedOptimizer(torch.optim.SGD(D.parameters(), lr=0.1),
+                                      named_parameters=D.named_parameters(prefix="D" if {prefixed} else ""))
+        try:
+            for _ in range(3):
+                og.zero_grad()
+                od.zero_grad()
+                D(G(torch.randn(4, 8, generator=torch.Generator().manual_seed(hvd.rank())))).sum().backward()
+                og.step()
+                od.step()
+            report(ok=True, w=D[1].weight.sum().item())
+        except Exception as e:
+            report(error=str(e), type=type(e).__name__)
+            raise
+    """
+    code, out = _run(tmp_path, 2, body, timeout=60.0, OMP_NUM_THREADS="1")
+    reports = _reports(tmp_path, 2)
+    if prefixed:
+        assert code == 0 and [reports[r].get("ok") for r in (0, 1)] == [True, True], out
+        assert reports[0]["w"] == reports[1]["w"], reports
+        return
+    assert code != 0
+    hinted = [r for r in reports.values() if "another DistributedOptimizer reduces a parameter of this name; give "
+              "each optimizer's parameters their own names, e.g. named_parameters=generator.named_parameters(" in
+              r.get("error", "")]
+    assert hinted, out  # the other rank may instead see this one's exit, named
+
+
 def test_a_name_the_other_ranks_cannot_receive_is_refused_at_the_call(tmp_path):
     """A tensor name that is not a str or not encodable as UTF-8 (a lone surrogate, as os.fsdecode makes of a
     file name's stray byte): it reached the engine, whose next send to rank 0 failed, and every rank's

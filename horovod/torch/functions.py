@@ -72,8 +72,12 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int, 
     if process_set.size() == 1:
         return
     is_root = basics.rank() == root_rank
+    kind = f"{optimizer.__class__.__module__}.{optimizer.__class__.__qualname__}"  # a DistributedOptimizer's: its own
     skeleton, tensors = _split_state(optimizer.state_dict()) if is_root else (None, [])
+    if is_root:
+        skeleton["horovod.optimizer"] = kind
     skeleton = _broadcast_object(skeleton, root_rank, name="optimizer_state.skeleton", process_set=process_set)
+    root_kind = skeleton.pop("horovod.optimizer", kind)
     if not is_root:
         tensors = []
         for pid, entry in skeleton["state"].items():
@@ -88,6 +92,9 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int, 
                for name, t in tensors]
     for h in handles:
         synchronize(h)
+    if root_kind != kind:  # after the broadcasts, which the root waits for: its state is right, this rank's is not
+        raise ValueError(f"broadcast_optimizer_state: rank {root_rank}'s optimizer is a {root_kind}, this rank's "
+                         f"(rank {basics.rank()}) a {kind}: every rank must build the same optimizer")
     if not is_root:
         optimizer.load_state_dict(skeleton)
 

@@ -37,9 +37,16 @@ from horovod.base.config import read_env
 from horovod.base.reduce_ops import predivide_scales
 from horovod.common import basics
 from horovod.common.basics import Adasum, Average, Sum
-from horovod.common.layout_check import mismatch_error, shape_moments, shapes_agree
+from horovod.common.layout_check import (
+    mismatch_error,
+    parameter_moments,
+    parameters_mismatch_error,
+    shape_moments,
+    shapes_agree,
+)
 from horovod.common.process_sets import ProcessSet, global_process_set
 from horovod.common.util import split_list
+from horovod.runtime.engine import DUPLICATE_NAME_MESSAGE
 from horovod.torch.compression import Compression, Compressor
 from horovod.torch.mpi_ops import (
     allreduce_async_,
@@ -187,6 +194,21 @@ class _Reduction:
                 p.grad.copy_(out)
 
 
+@contextlib.contextmanager
+def _naming_another_optimizer(name: str) -> Iterator[None]:
+    """Upstream's duplicate-name error, with its likely cause here: two optimizers (a GAN's generator and
+    discriminator) whose parameters have the same names (``model.named_parameters()`` of two models built
+    alike, or none given), whose hooks both fire in one backward pass."""
+    try:
+        yield
+    except ValueError as e:
+        if str(e) != DUPLICATE_NAME_MESSAGE:
+            raise
+        raise ValueError(f"{e}  ({name!r}: another DistributedOptimizer reduces a parameter of this name; give "
+                         "each optimizer's parameters their own names, e.g. named_parameters=generator."
+                         "named_parameters(prefix='generator'))") from None
+
+
 class _DistributedOptimizer:
     """See :func:`DistributedOptimizer`."""
 
@@ -220,6 +242,11 @@ class _DistributedOptimizer:
         self._requires_update: list[torch.Tensor] = []
         self._frozen: list[torch.Tensor] = []  # parameters that did not require a gradient when registered
         self._sparse_dims: dict[torch.Tensor, int] = {}  # parameters whose gradients have been sparse: sparse_dim
+        # the participation epoch in which every rank's parameters were found the same (_check_parameters), and
+        # the check's reduction while it is in flight
+        self._parameters_checked_in = (0, 0)
+        self._parameters_check: Any = None
+        self._parameters_looked_at = False  # this step (one look per step: the hooks are the hot path)
         self._register_hooks(p for group in optimizer.param_groups for p in group["params"])
 
     # ------------------------------------------------------------------ looks like the wrapped optimizer
@@ -299,6 +326,7 @@ class _DistributedOptimizer:
                 self._hook_handles.append(p.register_post_accumulate_grad_hook(_make_hook(me)))
         if self._active:
             self._make_buckets(added)
+            self._parameters_checked_in = (0, 0)  # parameters added (unfrozen): every rank checks again
 
     def _make_buckets(self, params: list[torch.Tensor]) -> None:
         """Buckets for the small dense CPU parameters among ``params``, in reverse order (backward's), by dtype.
@@ -382,6 +410,11 @@ class _DistributedOptimizer:
         A gradient that a later backward pass of the same step brings is reduced again, alone."""
         self._callback_queued = False
         self._launch_the_rest()
+        try:
+            self._await_check()
+        except BaseException:
+            self._reset_counters()
+            raise
         for reduction in {id(r): r for r in self._pending.values()}.values():
             reduction.finish()
 
@@ -454,10 +487,12 @@ class _DistributedOptimizer:
                 self._reduced_grads[p] = weakref.ref(p.grad)
         prescale, postscale = predivide_scales(self.op, self.gradient_predivide_factor)
         bucket.launched = True
-        layouts = None if bucket.layout_checked_in == basics.participation_epoch() else allreduce_async_(
-            bucket.layout_moments(), name=f"{bucket.name}.layout", op=Sum, process_set=self.process_set)
-        handle = allreduce_async_(bucket.flat, name=bucket.name, op=self.op, prescale_factor=prescale,
-                                  postscale_factor=postscale, process_set=self.process_set)
+        with _naming_another_optimizer(self._parameter_names[bucket.params[0]]):
+            self._check_parameters()
+            layouts = None if bucket.layout_checked_in == basics.participation_epoch() else allreduce_async_(
+                bucket.layout_moments(), name=f"{bucket.name}.layout", op=Sum, process_set=self.process_set)
+            handle = allreduce_async_(bucket.flat, name=bucket.name, op=self.op, prescale_factor=prescale,
+                                      postscale_factor=postscale, process_set=self.process_set)
         reduction = _BucketReduction(bucket, handle, layouts)
         for i, p in enumerate(bucket.params):
             if i not in bucket.skipped:
@@ -469,6 +504,8 @@ class _DistributedOptimizer:
                 p.grad = self._no_grad(p)
             elif p.grad.is_sparse:
                 self._sparse_dims[p] = p.grad.sparse_dim()
+        with _naming_another_optimizer(self._parameter_names[params[0]]):
+            self._check_parameters()
         prescale, postscale = predivide_scales(self.op, self.gradient_predivide_factor)
         first = params[0]
         if group_id is None and first.grad.is_sparse and not self.sparse_as_dense:
@@ -488,9 +525,10 @@ class _DistributedOptimizer:
                 tensors.append(compressed)
                 ctxs.append(ctx)
             if group_id is None:
-                handle = allreduce_async_(tensors[0], name=self._parameter_names[first], op=self.op,
-                                          prescale_factor=prescale, postscale_factor=postscale,
-                                          process_set=self.process_set)
+                with _naming_another_optimizer(self._parameter_names[first]):
+                    handle = allreduce_async_(tensors[0], name=self._parameter_names[first], op=self.op,
+                                              prescale_factor=prescale, postscale_factor=postscale,
+                                              process_set=self.process_set)
             else:
                 handle = grouped_allreduce_async_(tensors, name=f"group.{group_id}", op=self.op,
                                                   prescale_factor=prescale, postscale_factor=postscale,
@@ -499,6 +537,32 @@ class _DistributedOptimizer:
         for p in params:
             self._pending[p] = reduction
             self._reduced_grads[p] = weakref.ref(p.grad)
+
+    def _trainable_names(self) -> list[str]:
+        return [self._parameter_names[p] for p in self._requires_update]
+
+    def _check_parameters(self) -> None:
+        """With a step's first reduction, once per participation epoch: sum every rank's digest of its trainable
+        parameters' names under a name every rank sends (its first parameter's).  Ranks training
+        different models (another number of layers, a layer frozen on one rank) reduce names the others never
+        send, which only stalled; ``synchronize()`` now fails on every rank first (:meth:`_await_check`)."""
+        if self._parameters_looked_at:
+            return
+        self._parameters_looked_at = True
+        if self._parameters_check is not None or self._parameters_checked_in == basics.participation_epoch():
+            return
+        first = self._parameter_names[self._requires_update[0]]
+        self._parameters_check = allreduce_async_(torch.from_numpy(parameter_moments(self._trainable_names())),
+                                                  name=f"parameters_of.{first}", op=Sum, process_set=self.process_set)
+
+    def _await_check(self) -> None:
+        check, self._parameters_check = self._parameters_check, None
+        if check is None:
+            return
+        sums = synchronize(check).tolist()
+        if not shapes_agree(sums, parameter_moments(self._trainable_names()).tolist()):
+            raise parameters_mismatch_error(self._trainable_names())
+        self._parameters_checked_in = basics.participation_epoch()
 
     # ------------------------------------------------------------------ public API (upstream's)
     def synchronize(self) -> None:
@@ -513,6 +577,7 @@ class _DistributedOptimizer:
             self._adopt_unfrozen()
         self._launch_the_rest()
         try:
+            self._await_check()
             for reduction in list(self._pending.values()):
                 reduction.finish()
         finally:
@@ -529,6 +594,7 @@ class _DistributedOptimizer:
             self._register_hooks(unfrozen)
 
     def _reset_counters(self) -> None:
+        self._parameters_looked_at = False
         self._pending.clear()
         self._reduced_grads.clear()
         self._seen.clear()

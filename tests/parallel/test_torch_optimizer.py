@@ -451,6 +451,29 @@ def test_broadcast_parameters_and_objects():
     assert hvd.allgather_object(RANK) == list(range(SIZE))
 
 
+def test_broadcast_optimizer_state_between_other_optimizers_is_an_error_off_the_root():
+    """Rank 0 built an Adam, the others an SGD (a careless script): the others loaded Adam's state and
+    parameter groups into their SGD without a word.  They now raise, naming both; rank 0's state is untouched."""
+    model = make_model()
+    inner = torch.optim.Adam(model.parameters(), lr=0.01) if RANK == 0 else \
+        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    F.mse_loss(model(torch.ones(2, 6)), torch.zeros(2, 3)).backward()
+    inner.step()
+    before = copy.deepcopy(inner.state_dict())
+    if RANK == 0:
+        hvd.broadcast_optimizer_state(inner, root_rank=0)
+    else:
+        with pytest.raises(ValueError, match=r"broadcast_optimizer_state: rank 0's optimizer is a "
+                                             r"torch\.optim\.adam\.Adam, this rank's \(rank \d\) a "
+                                             r"torch\.optim\.sgd\.SGD: every rank must build the same optimizer"):
+            hvd.broadcast_optimizer_state(inner, root_rank=0)
+    after = inner.state_dict()
+    assert after["param_groups"] == before["param_groups"]
+    for pid, entry in before["state"].items():
+        for key, value in entry.items():
+            assert torch.equal(torch.as_tensor(after["state"][pid][key]), torch.as_tensor(value))
+
+
 def test_broadcast_optimizer_state_leaves_root_untouched():
     model = make_model()
     adam = torch.optim.Adam(model.parameters(), lr=0.01 if RANK == 0 else 0.5)

@@ -40,7 +40,7 @@ import time
 from collections.abc import Mapping
 
 from horovod.base.config import read_env, start_timeout
-from horovod.common.store_join import JoinEnv, derived_ports
+from horovod.common.store_join import JoinEnv, derived_ports, ports_text
 from horovod.transport.store import REFUSAL_HEADER
 
 __all__ = ["expand_hostlist", "wants_join", "detect", "MungeDoor"]
@@ -203,8 +203,7 @@ class MungeDoor:
 
     def __init__(self, master_addr: str, port: int, launch: str, rank: int, spare_ports: tuple[int, ...] = ()) -> None:
         self.master_addr, self.port, self.launch, self.rank = master_addr, port, launch, rank
-        self.ports = (port, *spare_ports)
-        """Task 0 listens on the first free (:func:`~horovod.common.store_join.derived_ports`); ranks try each."""
+        self.ports = (port, *spare_ports)  # task 0 listens on the first free (derived_ports); ranks try each
         self._payload = b""
         self._listeners: list[socket.socket] = []
         self._stop_r, self._stop_w = -1, -1
@@ -230,10 +229,10 @@ class MungeDoor:
                 self.close()
                 if e.errno == errno.EADDRINUSE and i + 1 < len(self.ports):
                     continue
-                tried = f"port {self.port}" if len(self.ports) == 1 else f"ports {', '.join(map(str, self.ports))}"
-                raise ValueError(f"task 0 could not listen on {a} {tried} to hand the job key to the other tasks "
-                                 "(the ports derived from the job and step ids, or HOROVOD_GLOO_RENDEZVOUS_PORT): "
-                                 f"{e}; set HOROVOD_GLOO_RENDEZVOUS_PORT to a free port, exported before srun") from e
+                raise ValueError(f"task 0 could not listen on {a} {ports_text(self.ports)} to hand the job key to "
+                                 "the other tasks (the ports derived from the job and step ids, or "
+                                 f"HOROVOD_GLOO_RENDEZVOUS_PORT): {e}; set HOROVOD_GLOO_RENDEZVOUS_PORT to a free "
+                                 "port, exported before srun") from e
         self._stop_r, self._stop_w = os.pipe()
         self._thread = threading.Thread(target=self._serve, name="horovod-munge-door", daemon=True)
         self._thread.start()
@@ -284,7 +283,7 @@ class MungeDoor:
                 last = f"{self.port}: {e}"
             if time.monotonic() >= deadline:
                 where = (f"{self.master_addr}:{self.port}" if len(self.ports) == 1 else
-                         f"{self.master_addr} (ports {', '.join(map(str, self.ports))})")
+                         f"{self.master_addr} ({ports_text(self.ports)})")
                 raise ValueError(
                     f"rank {self.rank} could not get the job key from task 0 at {where} within "
                     f"the start timeout ({start_timeout():g} s): {last}.  Did task 0 call hvd.init(), and is the "

@@ -53,12 +53,13 @@ import stat
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 from horovod.base.config import read_env, start_timeout
 from horovod.transport import netif
 
-__all__ = ["JoinEnv", "KeyChannel", "join", "key_file_path", "derived_port", "derived_ports",
+__all__ = ["JoinEnv", "KeyChannel", "join", "key_file_path", "derived_port", "derived_ports", "ports_text",
            "MIN_KEY_BYTES"]
 
 log = logging.getLogger(__name__)
@@ -164,6 +165,11 @@ def derived_port(launch_id: str) -> int:
 DERIVED_PORTS = 4
 """Ports derived per launch: rank 0 listens on the first one free, the others try each in turn, so a port
 taken by another program (another job's whose port collides, a service, a squatter) does not stop the job."""
+
+
+def ports_text(ports: Sequence[int | None]) -> str:
+    """"port 20001" or "ports 20001, 23456, ..." for errors."""
+    return f"port {ports[0]}" if len(ports) == 1 else f"ports {', '.join(map(str, ports))}"
 
 
 def derived_ports(launch_id: str) -> tuple[int, ...]:
@@ -379,8 +385,7 @@ def _start_store(env: JoinEnv, key: bytes, ports: list[int | None]) -> tuple[lis
                 log.debug("%s job: port %s taken (%s), rank 0's store tries port %s", env.launcher, port, e,
                           ports[i + 1])
                 continue
-            tried = f"port {port}" if len(ports) == 1 else f"ports {', '.join(map(str, ports))}"
-            raise ValueError(f"rank 0 could not listen on {addrs} {tried} for Horovod's rendezvous store "
+            raise ValueError(f"rank 0 could not listen on {addrs} {ports_text(ports)} for Horovod's rendezvous store "
                              f"({where}): {e}; set HOROVOD_GLOO_RENDEZVOUS_PORT to a free port, the same on every "
                              "rank") from e
     _server = server
@@ -514,7 +519,7 @@ def join(env: JoinEnv) -> None:
                 next_check = time.monotonic() + 1.0
                 _refuse_if_rank_0_has_no_key(env, e)
             if time.monotonic() >= deadline:
-                where = f"{addr}:{port}" if len(ports) == 1 else f"{addr} (ports {', '.join(map(str, ports))})"
+                where = f"{addr}:{port}" if len(ports) == 1 else f"{addr} ({ports_text(ports)})"
                 raise ValueError(f"rank {env.rank} could not reach the rendezvous store of rank 0 at {where} "
                                  f"within the start timeout ({timeout:g} s): {e}.  Is {env.names[0]}=0 running "
                                  "hvd.init(), and is the port open between the hosts?") from e

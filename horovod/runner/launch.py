@@ -187,7 +187,7 @@ def _run(job: JobSpec, stop_event: threading.Event | None = None) -> list[Any] |
             logger.info("Remote host found: %s", " ".join(remote))
         ssh_options = ssh.SshOptions(job.ssh_port, job.ssh_identity_file,
                                      connect_timeout=max(1, min(10, start_timeout)))
-        ssh.check_hosts(remote, ssh_options)
+        ssh.check_hosts(remote, ssh_options, stop_event=stop_event)
     if job.use_mpi:
         return _run_mpi(job, hosts, knobs, start_timeout, remote)
 

@@ -20,12 +20,14 @@ import json
 import logging
 import os
 import shlex
+import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Mapping, Sequence
 
 from horovod.runner.mpi_run import is_exportable
-from horovod.runner.spawn import ORPHAN_GRACE, WorkerSpec, watchdog_source
+from horovod.runner.spawn import ORPHAN_GRACE, Interrupted, WorkerSpec, watchdog_source
 
 __all__ = ["SshOptions", "ssh_command", "check_hosts", "SshSpawner", "remote_env"]
 
@@ -61,39 +63,91 @@ def ssh_command(host: str, options: SshOptions, remote_command: str | None = Non
     return argv
 
 
-def _check_one(host: str, options: SshOptions, attempts: int) -> str | None:
-    reason = "unknown error"
-    for _ in range(attempts):
-        try:
-            proc = subprocess.run(ssh_command(host, options, "true"), stdin=subprocess.DEVNULL,
-                                  capture_output=True, text=True, timeout=options.connect_timeout + 5)
-        except subprocess.TimeoutExpired:
-            reason = f"no answer within {options.connect_timeout + 5} s"
-            continue
-        except OSError as e:
-            return f"cannot run ssh: {e}"
-        if proc.returncode == 0:
-            return None
-        lines = [line for line in proc.stderr.splitlines() if line.strip()]
-        reason = lines[-1] if lines else f"ssh exited with status {proc.returncode}"
-        if "Connection refused" in reason or "Could not resolve" in reason or "Permission denied" in reason:
-            break  # retrying cannot help and the user should hear about it at once
-    return reason
+class _HostCheck:
+    """``ssh <host> true`` on many hosts at once, stoppable: :meth:`stop` kills the ssh clients still waiting."""
+
+    def __init__(self, options: SshOptions, attempts: int) -> None:
+        self.options = options
+        self.attempts = attempts
+        self._stopping = threading.Event()
+        self._lock = threading.Lock()
+        self._running: set[subprocess.Popen] = set()
+
+    def stop(self) -> None:
+        self._stopping.set()
+        with self._lock:
+            running = list(self._running)
+        for proc in running:
+            try:
+                proc.kill()
+            except OSError:
+                pass
+
+    def check(self, host: str) -> str | None:
+        """None when ``host`` answers, else ssh's reason."""
+        options = self.options
+        reason = "unknown error"
+        for _ in range(self.attempts):
+            if self._stopping.is_set():
+                return "interrupted"
+            try:
+                proc = subprocess.Popen(ssh_command(host, options, "true"), stdin=subprocess.DEVNULL,
+                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            except OSError as e:
+                return f"cannot run ssh: {e}"
+            with self._lock:
+                self._running.add(proc)
+            if self._stopping.is_set():  # stop() ran before this client was registered
+                proc.kill()
+            try:
+                _, stderr = proc.communicate(timeout=options.connect_timeout + 5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.communicate()
+                reason = f"no answer within {options.connect_timeout + 5} s"
+                continue
+            finally:
+                with self._lock:
+                    self._running.discard(proc)
+            if proc.returncode == 0:
+                return None
+            lines = [line for line in stderr.splitlines() if line.strip()]
+            reason = lines[-1] if lines else f"ssh exited with status {proc.returncode}"
+            if "Connection refused" in reason or "Could not resolve" in reason or "Permission denied" in reason:
+                break  # retrying cannot help and the user should hear about it at once
+        return reason
 
 
-def check_hosts(hosts: Sequence[str], options: SshOptions, attempts: int = 2) -> None:
+def check_hosts(hosts: Sequence[str], options: SshOptions, attempts: int = 2,
+                stop_event: threading.Event | None = None) -> None:
     """Run ``ssh <host> true`` on every host in parallel before any worker starts.
+
+    Ctrl-C (``KeyboardInterrupt``) or ``stop_event`` (the CLI's SIGTERM handler) ends the check at once: the
+    ssh clients still waiting for a host are killed.
 
     Raises:
         RuntimeError: some hosts cannot be reached; the message names each one with ssh's reason.
+        Interrupted: ``stop_event`` was set.
     """
     if not hosts:
         return
-    with concurrent.futures.ThreadPoolExecutor(max_workers=min(32, len(hosts))) as pool:
-        reasons = dict(zip(hosts, pool.map(lambda h: _check_one(h, options, attempts), hosts)))
-    failed = {h: r for h, r in reasons.items() if r is not None}
+    checker = _HostCheck(options, attempts)
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=min(32, len(hosts)))
+    try:
+        futures = {host: pool.submit(checker.check, host) for host in hosts}
+        pending = set(futures.values())
+        while pending:
+            if stop_event is not None and stop_event.is_set():
+                raise Interrupted(getattr(stop_event, "signum", signal.SIGTERM))
+            _, pending = concurrent.futures.wait(pending, timeout=0.1)
+    except BaseException:
+        checker.stop()
+        raise
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+    failed = {h: r for h, f in futures.items() if (r := f.result()) is not None}
     if failed:
-        details = "; ".join(f"{h}: {r}" for h, r in failed.items())
+        details = "; ".join(f"{h}: {r.rstrip('.')}" for h, r in failed.items())
         raise RuntimeError(f"could not connect to some hosts via ssh: {details}. "
                            "Check that sshd runs there and accepts key authentication "
                            "(-p/--ssh-port, -i/--ssh-identity-file).")

@@ -552,3 +552,36 @@ def test_program_not_executable_or_a_directory_is_named(tmp_path):
                               capture_output=True, text=True, timeout=TIMEOUT)
         assert proc.returncode != 0 and f"horovodrun: error: {text}" in proc.stderr, (program, proc.stderr)
         assert "never" not in proc.stdout
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_signal_during_the_ssh_check_stops_at_once(tmp_path, sig):
+    """Ctrl-C or SIGTERM while ``ssh <host> true`` waits on a host that does not answer (a firewall dropping
+    packets, a hung sshd): the launcher waited for every ssh attempt to time out (~20 s) and SIGTERM then
+    ended as the ssh error with status 1.  Now it stops the check, kills its ssh clients and exits with the
+    signal's status."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    ssh = bindir / "ssh"  # a host that never answers: the check's ssh client just hangs
+    ssh.write_text(f"#!/bin/sh\necho $$ >> {tmp_path / 'ssh_pids'}\nexec sleep 60\n")
+    ssh.chmod(0o755)
+    launcher = subprocess.Popen([sys.executable, "-m", "horovod.runner", "-np", "1", "-H", "silent-host.invalid:1",
+                                 "true"], env={**_env(), "PATH": f"{bindir}{os.pathsep}{os.environ['PATH']}"},
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not (tmp_path / "ssh_pids").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.3)
+        launcher.send_signal(sig)
+        start = time.monotonic()
+        _, err = launcher.communicate(timeout=30)
+        elapsed = time.monotonic() - start
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert elapsed < 5, (elapsed, err)
+    assert launcher.returncode == 128 + sig, (launcher.returncode, err)
+    assert "could not connect" not in err
+    ssh_pids = [int(p) for p in (tmp_path / "ssh_pids").read_text().split()]
+    assert _gone(ssh_pids, within=5)

@@ -126,11 +126,17 @@ def check_hosts(hosts: Sequence[str], options: SshOptions, attempts: int = 2,
     ssh clients still waiting for a host are killed.
 
     Raises:
-        RuntimeError: some hosts cannot be reached; the message names each one with ssh's reason.
+        RuntimeError: some hosts cannot be reached (the message names each one with ssh's reason), or the
+            ``-i`` identity file does not exist.
         Interrupted: ``stop_event`` was set.
     """
     if not hosts:
         return
+    identity = options.identity_file
+    if identity and not os.path.isfile(os.path.expanduser(identity)):
+        # ssh only warns that it cannot read it and then fails as if the key were not authorized anywhere
+        what = "is a directory, not a key file" if os.path.isdir(os.path.expanduser(identity)) else "does not exist"
+        raise RuntimeError(f"ssh identity file {identity!r} (-i/--ssh-identity-file) {what} on this host")
     checker = _HostCheck(options, attempts)
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=min(32, len(hosts)))
     try:

@@ -585,3 +585,17 @@ def test_signal_during_the_ssh_check_stops_at_once(tmp_path, sig):
     assert "could not connect" not in err
     ssh_pids = [int(p) for p in (tmp_path / "ssh_pids").read_text().split()]
     assert _gone(ssh_pids, within=5)
+
+
+def test_missing_ssh_identity_file_is_named(tmp_path):
+    """A mistyped ``-i`` was reported as ssh's 'Permission denied (publickey)' for every host, as if the key
+    were not authorized there (ssh only warns that it cannot read the file)."""
+    missing = tmp_path / "id_typo"
+    for controller in ([], ["--mpi"]):
+        proc = horovodrun(*controller, "-np", "1", "-H", "remote-host.invalid:1", "-i", str(missing), "true")
+        assert proc.returncode == 1, proc.stderr
+        assert f"ssh identity file {str(missing)!r} (-i/--ssh-identity-file) does not exist" in proc.stderr, \
+            proc.stderr
+    # a local-only job does not use ssh: the option is ignored, as upstream
+    proc = horovodrun("-np", "1", "-i", str(missing), sys.executable, "-c", "print('ran')")
+    assert proc.returncode == 0 and "ran" in proc.stdout, proc.stderr

@@ -179,8 +179,11 @@ def _run(job: JobSpec, stop_event: threading.Event | None = None) -> list[Any] |
                          "which TLS does not cover and which is not encrypted. Run without --mpi to encrypt "
                          "everything between hosts, or without --tls (see docs/security.md).")
     ssh_options = None
+    cwd = None  # ranks on this host inherit the launcher's directory; remote ones start in its path
     if remote:  # under --mpi too, as upstream: mpirun's own ssh then finds the hosts known, or we name the host
         from horovod.runner import ssh
+
+        cwd = _working_directory()
 
         if job.verbose:
             logger.info("Filtering local host names.")
@@ -209,7 +212,6 @@ def _run(job: JobSpec, stop_event: threading.Event | None = None) -> list[Any] |
     try:
         command = _run_func_command(job, server, store_addr, port) if job.run_func else job.command_line()
         base = job.base_env()
-        cwd = os.getcwd()
         specs = [spawn.WorkerSpec(rank=s.rank, hostname=s.hostname, command=command,
                                   cwd=None if s.hostname in local_names else cwd,
                                   env=worker_env(s, base=base, store_addr=store_addr, store_port=port,
@@ -246,6 +248,20 @@ def _run(job: JobSpec, stop_event: threading.Event | None = None) -> list[Any] |
         return None
     finally:
         server.stop()
+
+
+def _working_directory() -> str:
+    """The launcher's working directory, where the ranks on other hosts start.
+
+    Raises:
+        RuntimeError: it was removed (a shell left in a deleted directory).
+    """
+    try:
+        return os.getcwd()
+    except FileNotFoundError:
+        raise RuntimeError("horovodrun's working directory no longer exists (removed or replaced since this "
+                           "shell entered it); the ranks on other hosts start in the launcher's directory: cd "
+                           "to an existing directory, the same path on every host, and run again") from None
 
 
 def _record_exit(server: Any, rank: int, code: int) -> None:

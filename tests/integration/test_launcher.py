@@ -599,3 +599,22 @@ def test_missing_ssh_identity_file_is_named(tmp_path):
     # a local-only job does not use ssh: the option is ignored, as upstream
     proc = horovodrun("-np", "1", "-i", str(missing), sys.executable, "-c", "print('ran')")
     assert proc.returncode == 0 and "ran" in proc.stdout, proc.stderr
+
+
+def test_launcher_in_a_deleted_directory(tmp_path):
+    """A shell left in a directory that was removed (``rm -rf build; mkdir build`` from another shell):
+    horovodrun failed with a bare '[Errno 2] No such file or directory'.  Ranks on this host inherit the
+    directory as any child does; ranks on other hosts start in the launcher's directory, so that is named."""
+    gone = tmp_path / "gone"
+    launch = ("import os, sys; os.mkdir(sys.argv[1]); os.chdir(sys.argv[1]); os.rmdir(sys.argv[1]); "
+              "sys.argv[1:2] = []; from horovod.runner.launch import run_commandline; run_commandline()")
+
+    def run(*args):
+        return subprocess.run([sys.executable, "-c", launch, str(gone), *args], env=_env(), capture_output=True,
+                              text=True, timeout=TIMEOUT)
+
+    proc = run("-np", "2", sys.executable, "-c", "print('ran')")
+    assert proc.returncode == 0 and _lines(proc.stdout, 1) == ["ran"], proc.stderr
+    proc = run("-np", "1", "-H", "remote-host.invalid:1", "true")
+    assert proc.returncode == 1
+    assert "horovodrun's working directory no longer exists" in proc.stderr, proc.stderr

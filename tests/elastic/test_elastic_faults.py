@@ -276,3 +276,43 @@ def test_host_added_while_a_removal_is_handled(elastic_job):
     assert "Missing ranks" not in log, job.output()
     job.assert_exact()
     job.assert_no_leftovers()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_signal_during_the_first_discovery_stops_it(tmp_path, sig):
+    """Ctrl-C while the first run of a slow discovery script was under way left the script (in a session of
+    its own, out of the terminal's reach) running after horovodrun; SIGTERM waited for the script's 30 s
+    timeout.  Now the launcher stops at once and kills the script."""
+    import subprocess
+    import sys
+
+    import psutil
+
+    script = tmp_path / "discover.sh"
+    script.write_text(f"#!/bin/sh\necho $$ > {tmp_path / 'pid'}\nexec sleep 60\n")
+    script.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HOROVOD_")}
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__)))), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    launcher = subprocess.Popen([sys.executable, "-m", "horovod.runner", "-np", "2", "--host-discovery-script",
+                                 str(script), sys.executable, "-c", "pass"], env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not (tmp_path / "pid").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.3)
+        pid = int((tmp_path / "pid").read_text())
+        launcher.send_signal(sig)
+        start = time.monotonic()
+        _, err = launcher.communicate(timeout=40)
+        elapsed = time.monotonic() - start
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert elapsed < 5, (elapsed, err)
+    assert launcher.returncode == 128 + sig, (launcher.returncode, err)
+    deadline = time.monotonic() + 5
+    while psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+        assert time.monotonic() < deadline, "the discovery script outlived horovodrun"
+        time.sleep(0.05)

@@ -176,7 +176,11 @@ class ElasticDriver:
         """
         from horovod.runner.rendezvous import RendezvousServer
 
-        self.hosts.update_available_hosts()  # the first discovery failure is fatal (upstream)
+        try:
+            self._first_discovery()  # the first discovery failure is fatal (upstream)
+        except BaseException:  # Ctrl-C, SIGTERM: the script runs in a session of its own, so stop it here
+            self.hosts.discovery.close()
+            raise
         job_tls = None
         if read_env("HOROVOD_TLS", {**self.base_env, **self.knobs}):
             from horovod.transport import tls as tls_mod
@@ -200,6 +204,22 @@ class ElasticDriver:
             self.hosts.discovery.close()
             self._terminate_all()
             self.server.stop()
+
+    def _first_discovery(self) -> None:
+        """Run the discovery once, on a thread, so that ``stop_event`` (SIGTERM) is noticed while a slow script
+        runs (up to its timeout).
+
+        Raises:
+            RuntimeError, ValueError: the script failed or printed a bad line.
+            spawn.Interrupted: ``stop_event`` was set.
+        """
+        call = _DiscoveryCall(self.hosts.discovery)
+        while call.is_alive():
+            self._check_stop()
+            call.join(0.1)
+        if isinstance(call.answer, BaseException):
+            raise call.answer
+        self.hosts.apply(call.answer)
 
     def _bind_address(self) -> str:
         """The store's first address, chosen as for a static job (``horovod.runner.network``), never all

@@ -155,6 +155,30 @@ def test_elastic_is_importable():
     assert all(hasattr(hvd.elastic, name) for name in ("run", "TorchState", "ElasticSampler"))
 
 
+def test_torch_state_restores_the_commit_every_time():
+    """restore() twice with no commit between (a second failure before the next commit): the optimizer's
+    momentum is the committed one both times.  torch's Optimizer.load_state_dict keeps the tensors it is
+    given, so restoring the snapshot itself made the momentum buffer the snapshot, and the steps after the
+    first restore updated the commit in place."""
+    model = nn.Linear(2, 1, bias=False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+    def step():
+        opt.zero_grad()
+        model(torch.ones(1, 2)).sum().backward()
+        opt.step()
+
+    step()
+    state = hvd.elastic.TorchState(model, opt, epoch=0)
+    weight, buf = model.weight.detach().clone(), opt.state[model.weight]["momentum_buffer"].clone()
+    for _ in range(3):
+        step()
+        step()
+        state.restore()
+        assert torch.equal(model.weight.detach(), weight)
+        assert torch.equal(opt.state[model.weight]["momentum_buffer"], buf)
+
+
 def test_synchronous_allgather_and_broadcast_never_wake_the_engine_thread(monkeypatch):
     """hvd.allgather/broadcast/broadcast_ wait at once: the caller runs the engine's round (and may poll for
     the answer) instead of waking the engine thread, as hvd.allreduce does."""

@@ -21,7 +21,9 @@ class _ModelHandler:
         self._saved = copy.deepcopy(self.value.state_dict())
 
     def restore(self) -> None:
-        self.value.load_state_dict(self._saved)
+        # A copy: Optimizer.load_state_dict keeps the tensors it is given (the momentum buffer became the
+        # snapshot, and the next steps changed the commit in place for a second restore).
+        self.value.load_state_dict(copy.deepcopy(self._saved))
 
     def sync(self) -> None:
         from horovod.torch.functions import broadcast_parameters

@@ -63,3 +63,22 @@ def kill_marked(marker: str) -> None:
             p.kill()
         except psutil.Error:
             pass
+
+
+def signal_once_ready(launcher: subprocess.Popen, ready, sig: int, timeout: float = 30.0) -> tuple[float, str]:
+    """Send ``sig`` to ``launcher`` once the file ``ready`` (a pathlib.Path) exists; return how long the launcher
+    then took to exit and its stderr (it is killed if still running)."""
+    import time
+
+    try:
+        deadline = time.monotonic() + 30
+        while not ready.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.3)
+        launcher.send_signal(sig)
+        start = time.monotonic()
+        _, err = launcher.communicate(timeout=timeout)
+        return time.monotonic() - start, err
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()

@@ -11,6 +11,7 @@ import signal
 import time
 
 import pytest
+from launch_util import signal_once_ready
 
 pytestmark = pytest.mark.timeout(120) if hasattr(pytest.mark, "timeout") else []
 
@@ -297,19 +298,8 @@ def test_signal_during_the_first_discovery_stops_it(tmp_path, sig):
     launcher = subprocess.Popen([sys.executable, "-m", "horovod.runner", "-np", "2", "--host-discovery-script",
                                  str(script), sys.executable, "-c", "pass"], env=env, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 30
-        while not (tmp_path / "pid").exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        time.sleep(0.3)
-        pid = int((tmp_path / "pid").read_text())
-        launcher.send_signal(sig)
-        start = time.monotonic()
-        _, err = launcher.communicate(timeout=40)
-        elapsed = time.monotonic() - start
-    finally:
-        if launcher.poll() is None:
-            launcher.kill()
+    elapsed, err = signal_once_ready(launcher, tmp_path / "pid", sig, timeout=40)
+    pid = int((tmp_path / "pid").read_text())
     assert elapsed < 5, (elapsed, err)
     assert launcher.returncode == 128 + sig, (launcher.returncode, err)
     deadline = time.monotonic() + 5

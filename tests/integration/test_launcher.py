@@ -12,6 +12,7 @@ import time
 
 import psutil
 import pytest
+from launch_util import signal_once_ready
 
 import horovod
 
@@ -568,18 +569,7 @@ def test_signal_during_the_ssh_check_stops_at_once(tmp_path, sig):
     launcher = subprocess.Popen([sys.executable, "-m", "horovod.runner", "-np", "1", "-H", "silent-host.invalid:1",
                                  "true"], env={**_env(), "PATH": f"{bindir}{os.pathsep}{os.environ['PATH']}"},
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 30
-        while not (tmp_path / "ssh_pids").exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        time.sleep(0.3)
-        launcher.send_signal(sig)
-        start = time.monotonic()
-        _, err = launcher.communicate(timeout=30)
-        elapsed = time.monotonic() - start
-    finally:
-        if launcher.poll() is None:
-            launcher.kill()
+    elapsed, err = signal_once_ready(launcher, tmp_path / "ssh_pids", sig)
     assert elapsed < 5, (elapsed, err)
     assert launcher.returncode == 128 + sig, (launcher.returncode, err)
     assert "could not connect" not in err

@@ -12,6 +12,10 @@ publishes them in the rendezvous store (docs/elastic.md has the whole protocol):
 ``elastic/reset.<g>``                  present once the driver has decided that generation g is over
 ``elastic/ready.<g>/<slot>``           written by a worker that left generation g (failed collective,
                                        host-update interrupt, or a mesh that could not be built)
+``elastic/alive.<g>/<slot>``           a counter the worker that joined generation g bumps every
+                                       :data:`HEARTBEAT_SECS` from a thread of its own: after a failure,
+                                       the driver waits for a worker that is busy (a checkpoint, a
+                                       validation pass) and kills one whose heartbeat stopped (hung)
 =====================================  ===========================================================
 
 A slot is ``<host>:<local_rank>`` as the driver started the worker (``HOROVOD_ELASTIC_SLOT``).  A worker
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from typing import Any
 
@@ -39,11 +44,14 @@ REMOVED_MESSAGE = "{host}[{local_rank}] has been removed from elastic job"
 """Upstream's error when a re-initialising worker's slot is no longer part of the job."""
 
 GENERATION_KEY = "elastic/generation"
+HEARTBEAT_SECS = 1.0
+"""How often a worker bumps ``elastic/alive.<g>/<slot>`` (the driver's hung-worker check allows 3 missed)."""
 _POLL = 0.1
 
 _last_generation: int | None = None
 _hosts_baseline: float = 0.0
 _newcomers: bool = False
+_heartbeat: threading.Thread | None = None
 
 
 class _GenerationEnded(Exception):
@@ -169,6 +177,33 @@ class _AbortableStore:
             self.check()
 
 
+def _start_heartbeat(addr: str, port: int, key: bytes, slot: str) -> None:
+    """Bump ``elastic/alive.<g>/<slot>`` every :data:`HEARTBEAT_SECS` (g: the generation last joined) for as
+    long as the process lives, whatever its main thread does: the driver tells a busy worker from a hung one
+    (SIGSTOPped, or stuck in native code that holds the GIL) by it."""
+    global _heartbeat
+    if _heartbeat is not None and _heartbeat.is_alive():
+        return
+    from horovod.transport.store import StoreClient
+
+    store = StoreClient(addr, port, key, timeout=min(5.0, 2 * HEARTBEAT_SECS + 1))
+
+    def beat() -> None:
+        count = 0
+        while True:
+            generation = _last_generation
+            if generation is not None:
+                count += 1
+                try:
+                    store.put(f"elastic/alive.{generation}/{slot}", str(count).encode())
+                except Exception:  # noqa: BLE001 - the driver is gone or busy: the next beat tries again
+                    pass
+            time.sleep(HEARTBEAT_SECS)
+
+    _heartbeat = threading.Thread(target=beat, name="horovod-elastic-heartbeat", daemon=True)
+    _heartbeat.start()
+
+
 def rendezvous() -> Any:
     """Get this worker's rank from the driver, export it as ``HOROVOD_RANK`` ..., and build the mesh.
 
@@ -197,6 +232,7 @@ def rendezvous() -> Any:
     mesh_timeout = start_timeout()
     slot = slot_name()
     host, _, local_rank = slot.rpartition(":")
+    _start_heartbeat(addr, port, key, slot)
     left = _last_generation
     if _last_generation is not None:
         _leave(store, _last_generation, "re-initialising")

@@ -101,6 +101,24 @@ def test_hung_worker(elastic_job):
     job.assert_no_leftovers()
 
 
+def test_busy_worker_is_not_taken_for_hung(elastic_job):
+    """A peer dies while rank 0 works 10 s without a collective (a checkpoint, a validation pass): rank 0 is
+    alive, only busy, and leaves the generation at its next collective.  The driver killed it as hung once the
+    grace period (4 s here) was over and blacklisted its host, so the job failed with both hosts blacklisted
+    (upstream waits for it).  Workers now send a heartbeat: only one that stops is hung."""
+    job = elastic_job(TWO_HOSTS, ARGS, env={"TEST_BUSY": "localhost:0:5:10"})
+    deadline = time.monotonic() + 60
+    while not (job.out / "busy").exists():
+        assert time.monotonic() < deadline and job.proc.poll() is None, job.output()
+        time.sleep(0.05)
+    os.kill(job.pid("127.0.0.1:0"), signal.SIGKILL)
+    assert job.wait() == 0, job.output()
+    assert job.assert_exact()["sizes"] == [2, 1]
+    log = job.log_text()
+    assert "hung?" not in log and "blacklisting host localhost" not in log, job.output()
+    job.assert_no_leftovers()
+
+
 def test_failure_during_commit(elastic_job):
     job = elastic_job(TWO_HOSTS, ARGS, env={"TEST_DIE_IN_COMMIT": "127.0.0.1:0:6"})
     assert job.wait() == 0, job.output()

@@ -16,7 +16,9 @@ TEST_SLOW_RESET=<slot>:<seconds> (its first re-initialisation waits that long be
 driver sees hosts change meanwhile),
 TEST_DIE_IN_MESH=<slot> (SIGKILL itself in its first mesh formation, once: as it is about to connect to its
 peer, which then waits for a connection that never comes, or as its peer's connection arrives, which then
-retries a listener that is gone).
+retries a listener that is gone),
+TEST_BUSY=<slot>:<global step>:<seconds> (after that step's commit the slot works that long without a collective,
+once, as a checkpoint or a validation pass does; it touches ``busy`` when it starts).
 """
 
 import json
@@ -42,6 +44,7 @@ SLOT = os.environ.get("HOROVOD_ELASTIC_SLOT", "?")
 SLOW_REMOVED_EXIT = float(os.environ.get("TEST_SLOW_REMOVED_EXIT", "0"))
 HOLD_UNTIL_SIZE = int(os.environ.get("TEST_HOLD_UNTIL_SIZE", "0"))
 SLOW_RESET = os.environ.get("TEST_SLOW_RESET", "")
+BUSY = os.environ.get("TEST_BUSY", "")
 
 
 def g(indices):
@@ -129,6 +132,10 @@ def train(state):
             state.commit()
             if hvd.rank() == 0:
                 write("progress", f"{state.epoch} {state.steps} {hvd.size()}")
+            if BUSY and BUSY.split(":")[:2] == SLOT.split(":") and state.steps == int(BUSY.split(":")[2]) \
+                    and not os.path.exists(os.path.join(OUT, "busy")):
+                open(os.path.join(OUT, "busy"), "w").close()
+                time.sleep(float(BUSY.split(":")[3]))
         state.epoch += 1
         state.commit()
 

@@ -31,6 +31,7 @@ from typing import Any
 
 from horovod.base import auth
 from horovod.base.config import ENV_VARS, format_number, read_env
+from horovod.common.elastic_init import HEARTBEAT_SECS
 from horovod.runner import hosts as hosts_mod
 from horovod.runner import spawn
 from horovod.runner.elastic.discovery import (
@@ -72,6 +73,8 @@ class _Worker:
     readers: list[threading.Thread]
     exited: int | None = None
     removed: bool = False  # told rank -1: it exits, and is never given a slot again
+    killed: bool = False  # by the driver, as hung
+    beat: tuple[int, bytes | None, float] = (-1, None, 0.0)  # (generation, heartbeat value, when it last changed)
 
 
 @dataclasses.dataclass
@@ -356,12 +359,13 @@ class ElasticDriver:
                 reset_started = self._start_reset()
             if reset_started is not None:
                 pending = [w for w in live if not self._ready(w.slot)]
-                if pending and time.monotonic() - reset_started > self.grace:
-                    for w in pending:
-                        self._failed(w, f"did not leave generation {self.generation} within {self.grace:.0f} s "
-                                        "after a failure (hung?); killed")
+                for w in pending:
+                    why = self._stuck(w, reset_started)
+                    if why is not None:
+                        self._failed(w, why)
                         self._kill(w, signal.SIGKILL)
-                    pending = []
+                        w.killed = True
+                pending = [w for w in pending if w.proc.poll() is None and not w.killed]
                 if not pending:
                     survivors = {w.slot for w in live if w.exited is None and self._ready(w.slot)
                                  and w.proc.poll() is None}
@@ -370,6 +374,35 @@ class ElasticDriver:
             else:
                 self._maybe_notify()
             time.sleep(_TICK)
+
+    def _stuck(self, worker: _Worker, reset_started: float) -> str | None:
+        """Why ``worker``, which has not left the generation since the reset began, counts as hung (None: wait).
+
+        A worker that joined the generation bumps ``elastic/alive.<g>/<slot>`` every second from a thread of
+        its own: while it does, it is alive and only busy (a checkpoint, a validation pass: it leaves at its next
+        collective), and gets ``--elastic-timeout``; one whose heartbeat stopped for the grace period (at least
+        3 beats) is hung (SIGSTOPped, stuck in native code).  A worker with no heartbeat (still starting) gets
+        the grace period.
+        """
+        now = time.monotonic()
+        value = self.server.get(f"elastic/alive.{self.generation}/{worker.slot}")
+        generation, last_value, changed = worker.beat
+        if value is not None and (generation != self.generation or value != last_value):
+            worker.beat = (self.generation, value, now)
+            generation, changed = self.generation, now
+        g = self.generation
+        if generation != g:  # never beat in this generation
+            if now - reset_started > self.grace:
+                return f"did not leave generation {g} within {self.grace:.0f} s after a failure (hung?); killed"
+            return None
+        silent = now - max(changed, reset_started)
+        if silent > max(self.grace, 3 * HEARTBEAT_SECS):
+            return (f"did not leave generation {g} after a failure and sent no heartbeat for {silent:.0f} s "
+                    "(hung?); killed")
+        if now - reset_started > self.elastic_timeout:
+            return (f"still busy {self.elastic_timeout:.0f} s after generation {g} failed, without reaching a "
+                    "collective (--elastic-timeout); killed")
+        return None
 
     # ------------------------------------------------------------------ events
     def _failed(self, worker: _Worker, why: str) -> None:

@@ -384,7 +384,8 @@ _OTHER_VARS: tuple[EnvVar, ...] = (
     EnvVar("HOROVOD_ELASTIC_TIMEOUT", _seconds(positive=True), DEFAULT_ELASTIC_TIMEOUT,
            "seconds an elastic job waits for enough slots"),
     EnvVar("HOROVOD_ELASTIC_GRACE_SECONDS", _seconds(), 30.0,
-           "elastic driver: seconds the others may take to leave a generation before they count as hung"),
+           "elastic driver: seconds a worker that has not left a failed generation may go without a heartbeat "
+           "before it counts as hung"),
     EnvVar("HOROVOD_ELASTIC_SLOT", parse_str, "", "elastic worker's slot host:local_rank (set by the driver)"),
     EnvVar("HOROVOD_SPARK_START_TIMEOUT", _seconds(positive=True), 600,
            "horovod.spark: seconds the Spark tasks may take to start (its start_timeout's default)"),

@@ -52,6 +52,7 @@ _last_generation: int | None = None
 _hosts_baseline: float = 0.0
 _newcomers: bool = False
 _heartbeat: threading.Thread | None = None
+_heartbeat_target: tuple[str, int, bytes, str] | None = None
 
 
 class _GenerationEnded(Exception):
@@ -180,22 +181,25 @@ class _AbortableStore:
 def _start_heartbeat(addr: str, port: int, key: bytes, slot: str) -> None:
     """Bump ``elastic/alive.<g>/<slot>`` every :data:`HEARTBEAT_SECS` (g: the generation last joined) for as
     long as the process lives, whatever its main thread does: the driver tells a busy worker from a hung one
-    (SIGSTOPped, or stuck in native code that holds the GIL) by it."""
-    global _heartbeat
+    (SIGSTOPped, or stuck in native code that holds the GIL) by it.  The target is the latest job's store (a
+    process that runs several jobs, such as a Ray actor, beats for the current one)."""
+    global _heartbeat, _heartbeat_target
+    _heartbeat_target = (addr, int(port), key, slot)
     if _heartbeat is not None and _heartbeat.is_alive():
         return
     from horovod.transport.store import StoreClient
 
-    store = StoreClient(addr, port, key, timeout=min(5.0, 2 * HEARTBEAT_SECS + 1))
-
     def beat() -> None:
-        count = 0
+        count, target, store = 0, None, None
         while True:
             generation = _last_generation
             if generation is not None:
+                if _heartbeat_target != target:
+                    target = _heartbeat_target
+                    store = StoreClient(*target[:3], timeout=min(5.0, 2 * HEARTBEAT_SECS + 1))
                 count += 1
                 try:
-                    store.put(f"elastic/alive.{generation}/{slot}", str(count).encode())
+                    store.put(f"elastic/alive.{generation}/{target[3]}", str(count).encode())
                 except Exception:  # noqa: BLE001 - the driver is gone or busy: the next beat tries again
                     pass
             time.sleep(HEARTBEAT_SECS)

@@ -229,10 +229,12 @@ def rendezvous() -> Any:
         raise ValueError("Horovod elastic initialization failed: no rendezvous address or job key in the "
                          "environment. Start the job with horovodrun.")
     store = StoreClient(addr, port, key, timeout=10.0)
-    # The driver's own deadline for slots starts after a reset's grace period, later than this wait: give it
+    # The driver's own deadline for slots starts once every worker left the generation, which a busy one (its
+    # heartbeat still going) may take up to HOROVOD_ELASTIC_TIMEOUT to do, a hung one the grace period: give it
     # that long and more, so that the driver (which knows why: too few slots) ends the job, not this worker
     # with a "is the driver still running?" that blamed the driver.
-    deadline = time.monotonic() + read_env("HOROVOD_ELASTIC_TIMEOUT") + read_env("HOROVOD_ELASTIC_GRACE_SECONDS") + 10
+    elastic_timeout = read_env("HOROVOD_ELASTIC_TIMEOUT")
+    deadline = time.monotonic() + 2 * elastic_timeout + read_env("HOROVOD_ELASTIC_GRACE_SECONDS") + 10
     mesh_timeout = start_timeout()
     slot = slot_name()
     host, _, local_rank = slot.rpartition(":")

@@ -157,7 +157,9 @@ class _AbortableStore:
             return
         self._checked = now
         if self._store.exists(self._reset_key):
-            raise _GenerationEnded(self._reset_key)
+            generation = self._reset_key.rpartition(".")[2]
+            raise _GenerationEnded(f"the elastic driver ended generation {generation} ({self._reset_key}: a "
+                                   "worker failed or left while the mesh formed)")
 
     def put(self, key: str, value: bytes) -> None:
         self._store.put(key, value)

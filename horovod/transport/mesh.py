@@ -616,6 +616,9 @@ def build_mesh(rank: int, size: int, hostname: str, store: Store, key: bytes, *,
                 except PeerFailure:  # the store already named the peer and the cause
                     raise
                 except Exception as e:
+                    if time.monotonic() < deadline:  # the caller's abort (or the store) ended the wait early
+                        raise PeerFailure(peer, f"gave up waiting for its address in the rendezvous store: {e}") \
+                            from e
                     raise PeerFailure(peer, f"no address in the rendezvous store within {timeout} s: {e}") \
                         from e
                 mesh.hostnames[peer] = str(records[peer]["host"])

@@ -231,3 +231,20 @@ def test_a_copy_of_a_live_rank_is_refused_and_other_processes_are_not(monkeypatc
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     monkeypatch.setenv(bootstrap.RANK_OWNER_ENV, f"{dead.stdout.strip()} {owner.split(' ', 1)[1]}")
     bootstrap.refuse_a_copy_of_a_rank()  # the owner is gone: this process may take its place
+
+
+def test_elastic_mesh_given_up_at_a_reset_says_so():
+    """A peer that never arrives in an elastic generation the driver ended: the survivor gives up at the reset
+    and says why.  It said "no address in the rendezvous store within 30.0 s: elastic/reset.1" after a second,
+    naming a timeout that never ran out."""
+    from horovod.common.elastic_init import _AbortableStore
+
+    store = InMemoryStore()
+    view = _AbortableStore(store, 1)
+    threading.Timer(0.5, store.put, args=("elastic/reset.1", b"1")).start()
+    t0 = time.monotonic()
+    with pytest.raises(Exception) as info:
+        build_mesh(0, 2, "h", view, KEY, scope="elastic.1", timeout=30.0, abort=view.check)
+    assert time.monotonic() - t0 < 10
+    msg = str(info.value)
+    assert "within 30" not in msg and "rank 1" in msg and "the elastic driver ended generation 1" in msg, msg

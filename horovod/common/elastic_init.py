@@ -13,7 +13,7 @@ publishes them in the rendezvous store (docs/elastic.md has the whole protocol):
 ``elastic/ready.<g>/<slot>``           written by a worker that left generation g (failed collective,
                                        host-update interrupt, or a mesh that could not be built)
 ``elastic/alive.<g>/<slot>``           a counter the worker that joined generation g bumps every
-                                       :data:`HEARTBEAT_SECS` from a thread of its own: after a failure,
+                                       :func:`heartbeat_period` from a thread of its own: after a failure,
                                        the driver waits for a worker that is busy (a checkpoint, a
                                        validation pass) and kills one whose heartbeat stopped (hung)
 =====================================  ===========================================================
@@ -44,8 +44,13 @@ REMOVED_MESSAGE = "{host}[{local_rank}] has been removed from elastic job"
 """Upstream's error when a re-initialising worker's slot is no longer part of the job."""
 
 GENERATION_KEY = "elastic/generation"
-HEARTBEAT_SECS = 1.0
-"""How often a worker bumps ``elastic/alive.<g>/<slot>`` (the driver's hung-worker check allows 3 missed)."""
+def heartbeat_period(grace: float) -> float:
+    """How often a worker bumps ``elastic/alive.<g>/<slot>``: a quarter of ``HOROVOD_ELASTIC_GRACE_SECONDS``
+    (the silence after which the driver takes it for hung), within [0.5, 5] s -- one signed request per
+    worker and period, so a large job does not load the driver's store for nothing."""
+    return min(5.0, max(0.5, grace / 4))
+
+
 _POLL = 0.1
 
 _last_generation: int | None = None
@@ -181,7 +186,7 @@ class _AbortableStore:
 
 
 def _start_heartbeat(addr: str, port: int, key: bytes, slot: str) -> None:
-    """Bump ``elastic/alive.<g>/<slot>`` every :data:`HEARTBEAT_SECS` (g: the generation last joined) for as
+    """Bump ``elastic/alive.<g>/<slot>`` every :func:`heartbeat_period` (g: the generation last joined) for as
     long as the process lives, whatever its main thread does: the driver tells a busy worker from a hung one
     (SIGSTOPped, or stuck in native code that holds the GIL) by it.  The target is the latest job's store (a
     process that runs several jobs, such as a Ray actor, beats for the current one)."""
@@ -191,6 +196,8 @@ def _start_heartbeat(addr: str, port: int, key: bytes, slot: str) -> None:
         return
     from horovod.transport.store import StoreClient
 
+    period = heartbeat_period(read_env("HOROVOD_ELASTIC_GRACE_SECONDS"))
+
     def beat() -> None:
         count, target, store = 0, None, None
         while True:
@@ -198,13 +205,13 @@ def _start_heartbeat(addr: str, port: int, key: bytes, slot: str) -> None:
             if generation is not None:
                 if _heartbeat_target != target:
                     target = _heartbeat_target
-                    store = StoreClient(*target[:3], timeout=min(5.0, 2 * HEARTBEAT_SECS + 1))
+                    store = StoreClient(*target[:3], timeout=min(5.0, 2 * period + 1))
                 count += 1
                 try:
                     store.put(f"elastic/alive.{generation}/{target[3]}", str(count).encode())
                 except Exception:  # noqa: BLE001 - the driver is gone or busy: the next beat tries again
                     pass
-            time.sleep(HEARTBEAT_SECS)
+            time.sleep(period)
 
     _heartbeat = threading.Thread(target=beat, name="horovod-elastic-heartbeat", daemon=True)
     _heartbeat.start()

@@ -31,7 +31,7 @@ from typing import Any
 
 from horovod.base import auth
 from horovod.base.config import ENV_VARS, format_number, read_env
-from horovod.common.elastic_init import HEARTBEAT_SECS
+from horovod.common.elastic_init import heartbeat_period
 from horovod.runner import hosts as hosts_mod
 from horovod.runner import spawn
 from horovod.runner.elastic.discovery import (
@@ -378,11 +378,11 @@ class ElasticDriver:
     def _stuck(self, worker: _Worker, reset_started: float) -> str | None:
         """Why ``worker``, which has not left the generation since the reset began, counts as hung (None: wait).
 
-        A worker that joined the generation bumps ``elastic/alive.<g>/<slot>`` every second from a thread of
-        its own: while it does, it is alive and only busy (a checkpoint, a validation pass: it leaves at its next
-        collective), and gets ``--elastic-timeout``; one whose heartbeat stopped for the grace period (at least
-        3 beats) is hung (SIGSTOPped, stuck in native code).  A worker with no heartbeat (still starting) gets
-        the grace period.
+        A worker that joined the generation bumps ``elastic/alive.<g>/<slot>`` every
+        :func:`~horovod.common.elastic_init.heartbeat_period` from a thread of its own: while it does, it is
+        alive and only busy (a checkpoint, a validation pass: it leaves at its next collective), and gets
+        ``--elastic-timeout``; one whose heartbeat stopped for the grace period (at least 3 beats) is hung
+        (SIGSTOPped, stuck in native code).  A worker with no heartbeat (still starting) gets the grace period.
         """
         now = time.monotonic()
         value = self.server.get(f"elastic/alive.{self.generation}/{worker.slot}")
@@ -396,7 +396,7 @@ class ElasticDriver:
                 return f"did not leave generation {g} within {self.grace:.0f} s after a failure (hung?); killed"
             return None
         silent = now - max(changed, reset_started)
-        if silent > max(self.grace, 3 * HEARTBEAT_SECS):
+        if silent > max(self.grace, 3 * heartbeat_period(self.grace)):
             return (f"did not leave generation {g} after a failure and sent no heartbeat for {silent:.0f} s "
                     "(hung?); killed")
         if now - reset_started > self.elastic_timeout:

@@ -13,6 +13,8 @@ import time
 import pytest
 from launch_util import signal_once_ready
 
+from elastic.conftest import FAST_ENV, REPO
+
 pytestmark = pytest.mark.timeout(120) if hasattr(pytest.mark, "timeout") else []
 
 TWO_HOSTS = ["localhost:1", "127.0.0.1:1"]
@@ -243,6 +245,28 @@ def test_a_job_never_starts_below_min_np(tmp_path):
                          capture_output=True, text=True, timeout=60, cwd=str(tmp_path))
     assert out.returncode != 0 and "started" not in out.stdout, out.stdout + out.stderr
     assert "Timed out waiting for 2 slots to start (found 1; --elastic-timeout 2 s)." in out.stderr
+
+
+def test_every_worker_failing_ends_the_job_with_upstreams_message(tmp_path):
+    """Every worker of a generation fails (here: the script exits 3 at once, as an import error does) while the
+    blacklist cooldown lets their hosts come back: the job ends as upstream's does when all workers failed,
+    with the first failed process's message and exit code.  It ended with "No hosts from previous set
+    remaining, unable to broadcast state." and exit code 1, which named neither the failure nor the code."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "discover.sh"
+    script.write_text("#!/bin/sh\necho localhost:1\necho 127.0.0.1:1\n")
+    script.chmod(0o755)
+    env = {**os.environ, **FAST_ENV, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    out = subprocess.run([sys.executable, "-m", "horovod.runner", "-np", "2", "--min-np", "1", "--max-np", "2",
+                          "--blacklist-cooldown-range", "1", "1", "--host-discovery-script", str(script),
+                          sys.executable, "-c", "import horovod.numpy as hvd; hvd.init(); raise SystemExit(3)"],
+                         capture_output=True, text=True, timeout=90, cwd=str(tmp_path), env=env)
+    text = out.stdout + out.stderr
+    assert out.returncode == 3, text
+    assert "Horovod detected that one or more processes exited with non-zero status" in text, text
+    assert "Exit code: 3" in text and "No hosts from previous set" not in text, text
 
 
 def test_every_host_removed_interrupts_the_job(elastic_job):

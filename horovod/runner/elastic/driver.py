@@ -64,6 +64,10 @@ class AllHostsBlacklisted(RuntimeError):
     """Every host failed (and is blacklisted for good): the job cannot go on."""
 
 
+class AllWorkersFailed(RuntimeError):
+    """Every worker of a generation failed (upstream: failure count == world size -> stop)."""
+
+
 @dataclasses.dataclass
 class _Worker:
     slot: str
@@ -369,6 +373,10 @@ class ElasticDriver:
                 if not pending:
                     survivors = {w.slot for w in live if w.exited is None and self._ready(w.slot)
                                  and w.proc.poll() is None}
+                    if not survivors and self.first_failure is not None:
+                        # Nobody has the job's state: upstream stops when every worker failed (e.g. an import
+                        # error), also when a blacklist cooldown would bring the hosts back.
+                        raise AllWorkersFailed(f"every worker of generation {self.generation} failed")
                     self._next_generation(survivors)
                     reset_started = None
             else:
@@ -616,7 +624,7 @@ def run_elastic(job: JobSpec, stop_event: threading.Event | None = None) -> list
         result_scope=run_func.RESULT_SCOPE if job.run_func is not None else None)
     try:
         payloads = driver.run()
-    except AllHostsBlacklisted as e:
+    except (AllHostsBlacklisted, AllWorkersFailed) as e:
         if driver.first_failure is None:
             raise
         # Upstream stops the job here and reports its failed workers: the first one, in its words.

@@ -373,9 +373,10 @@ class ElasticDriver:
                 if not pending:
                     survivors = {w.slot for w in live if w.exited is None and self._ready(w.slot)
                                  and w.proc.poll() is None}
-                    if not survivors and self.first_failure is not None:
+                    if not survivors and self.first_failure is not None and not self.hosts.all_blacklisted():
                         # Nobody has the job's state: upstream stops when every worker failed (e.g. an import
-                        # error), also when a blacklist cooldown would bring the hosts back.
+                        # error), also when a blacklist cooldown would bring the hosts back (hosts blacklisted
+                        # for good end the job below, as AllHostsBlacklisted).
                         raise AllWorkersFailed(f"every worker of generation {self.generation} failed")
                     self._next_generation(survivors)
                     reset_started = None

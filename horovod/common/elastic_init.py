@@ -44,6 +44,8 @@ REMOVED_MESSAGE = "{host}[{local_rank}] has been removed from elastic job"
 """Upstream's error when a re-initialising worker's slot is no longer part of the job."""
 
 GENERATION_KEY = "elastic/generation"
+
+
 def heartbeat_period(grace: float) -> float:
     """How often a worker bumps ``elastic/alive.<g>/<slot>``: a quarter of ``HOROVOD_ELASTIC_GRACE_SECONDS``
     (the silence after which the driver takes it for hung), within [0.5, 5] s -- one signed request per

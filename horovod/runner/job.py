@@ -164,16 +164,29 @@ class JobSpec:
     def _check_elastic(self) -> None:
         if not (self.num_proc or self.min_num_proc):
             raise ValueError("-np/--num-proc or --min-np is required in elastic mode.")
-        min_np, max_np = self.elastic_bounds()[1:]
-        if max_np is not None and max_np < min_np:
-            floor = f"--min-np ({min_np})" if self.min_num_proc is not None else f"-np ({min_np}, the default --min-np)"
-            raise ValueError(f"--max-np ({max_np}) must not be less than {floor}.")
+        self.check_process_counts()
+
+    def check_process_counts(self) -> None:
+        """``--min-np <= -np <= --max-np``, for those that were given (``-np`` 0 counts as not given).
+
+        Upstream does not check: ``-np 2 --min-np 3`` waited for 3 slots, and ``-np 4 --max-np 2`` started 2
+        workers, both without a word (docs/compatibility.md).  ``horovodrun`` calls this right after parsing
+        (an argument error, exit status 2); :meth:`check` calls it for ``horovod.run()``.
+
+        Raises:
+            ValueError: two of them are out of order (the text names both options and their values).
+        """
+        num_proc, min_np, max_np = self.num_proc or None, self.min_num_proc, self.max_num_proc
+        if min_np is not None and max_np is not None and max_np < min_np:
+            raise ValueError(f"--max-np ({max_np}) must not be less than --min-np ({min_np}).")
+        if num_proc is not None and min_np is not None and min_np > num_proc:
+            raise ValueError(f"--min-np ({min_np}) must not be greater than -np ({num_proc}).")
+        if num_proc is not None and max_np is not None and max_np < num_proc:
+            raise ValueError(f"--max-np ({max_np}) must not be less than -np ({num_proc}).")
 
     def elastic_bounds(self) -> tuple[int, int, int | None]:
-        """``(np to start with, min np, max np or None)`` of an elastic job (upstream: min defaults to np)."""
+        """``(np to start with, min np, max np or None)`` of an elastic job (upstream: min defaults to np, np
+        to min).  After :meth:`check`, ``min <= np <= max``."""
         num_proc = self.num_proc or self.min_num_proc or 0
         min_np = self.min_num_proc if self.min_num_proc is not None else num_proc
-        max_np = self.max_num_proc
-        if max_np is not None:
-            num_proc = min(num_proc, max_np)
-        return num_proc, min_np, max_np
+        return num_proc, min_np, self.max_num_proc

@@ -333,6 +333,7 @@ def run_commandline(argv: Sequence[str] | None = None) -> None:
     """The ``horovodrun`` console script: exits 0 on success, non-zero on any failure."""
     try:
         job = parse_args(argv)
+        job.check_process_counts()  # an argument error, as argparse's (horovod.run: ValueError from check())
     except (ValueError, OSError) as e:
         sys.stderr.write(f"horovodrun: error: {e}\n")
         sys.exit(2)

@@ -233,14 +233,14 @@ def test_a_rank_failing_after_another_succeeded_fails_the_job_and_output_files_a
 
 
 def test_a_job_never_starts_below_min_np(tmp_path):
-    """-np 1 --min-np 2 on one slot ran with one worker without a word; it waits for --min-np slots."""
+    """--min-np 2 on one slot waits for 2 slots (-np defaults to --min-np; -np below it is an argument error)."""
     import subprocess
     import sys
 
     script = tmp_path / "discover.sh"
     script.write_text("#!/bin/sh\necho localhost:1\n")
     script.chmod(0o755)
-    out = subprocess.run([sys.executable, "-m", "horovod.runner", "-np", "1", "--min-np", "2", "--elastic-timeout", "2",
+    out = subprocess.run([sys.executable, "-m", "horovod.runner", "--min-np", "2", "--elastic-timeout", "2",
                           "--host-discovery-script", str(script), sys.executable, "-c", "print('started')"],
                          capture_output=True, text=True, timeout=60, cwd=str(tmp_path))
     assert out.returncode != 0 and "started" not in out.stdout, out.stdout + out.stderr

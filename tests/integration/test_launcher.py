@@ -362,6 +362,31 @@ def test_horovod_run_argument_errors():
         horovod.run(_rank_env, use_gloo=True, use_mpi=True)
 
 
+@pytest.mark.parametrize("args,message", [
+    (["-np", "2", "--min-np", "3"], "--min-np (3) must not be greater than -np (2)."),
+    (["-np", "4", "--min-np", "1", "--max-np", "2"], "--max-np (2) must not be less than -np (4)."),
+    (["-np", "3", "--max-np", "2"], "--max-np (2) must not be less than -np (3)."),
+    (["--min-np", "3", "--max-np", "2"], "--max-np (2) must not be less than --min-np (3)."),
+])
+def test_elastic_process_counts_out_of_order_are_argument_errors(args, message):
+    """-np 2 --min-np 3 waited --elastic-timeout for 3 slots, -np 4 --max-np 2 started 2 workers: both without
+    a word.  -np, --min-np and --max-np out of order are an argument error at start (status 2, as argparse's),
+    naming both options and their values."""
+    proc = horovodrun(*args, "--elastic-timeout", "3", "-H", "localhost:1,127.0.0.1:1", sys.executable, "-c",
+                      "print('started')")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert f"horovodrun: error: {message}\n" in proc.stderr and "started" not in proc.stdout, proc.stderr
+
+
+def test_horovod_run_elastic_process_counts_out_of_order(monkeypatch):
+    """horovod.run() raises the same words as a ValueError before anything starts."""
+    monkeypatch.setenv("HOROVOD_ELASTIC_TIMEOUT", "3")
+    with pytest.raises(ValueError, match=r"^--min-np \(3\) must not be greater than -np \(2\)\.$"):
+        horovod.run(_rank_env, np=2, min_np=3, hosts="localhost:1,127.0.0.1:1")
+    with pytest.raises(ValueError, match=r"^--max-np \(2\) must not be less than -np \(4\)\.$"):
+        horovod.run(_rank_env, np=4, min_np=1, max_np=2, hosts="localhost:1,127.0.0.1:1")
+
+
 ALLREDUCE_SCRIPT = textwrap.dedent("""
     import numpy as np
     import horovod.numpy as hvd

@@ -88,8 +88,10 @@ def test_validate_errors():
         parse_args(["-np", "2", "--jsrun", "true"]).check()
     with pytest.raises(ValueError, match=r"--max-np \(1\) must not be less than --min-np \(2\)"):
         parse_args(["-np", "2", "--min-np", "2", "--max-np", "1", "true"]).check()
-    with pytest.raises(ValueError, match=r"--max-np \(2\) must not be less than -np \(3, the default --min-np\)"):
+    with pytest.raises(ValueError, match=r"--max-np \(2\) must not be less than -np \(3\)"):
         parse_args(["-np", "3", "--max-np", "2", "--host-discovery-script", "d.sh", "true"]).check()
+    with pytest.raises(ValueError, match=r"--min-np \(3\) must not be greater than -np \(2\)"):
+        parse_args(["-np", "2", "--min-np", "3", "-H", "a:2,b:2", "true"]).check()
     with pytest.raises(ValueError, match="-np/--num-proc or --min-np is required in elastic mode"):
         parse_args(["--host-discovery-script", "d.sh", "true"]).check()
     parse_args(["--min-np", "2", "-H", "a:1,b:1", "true"]).check()   # elastic: -np not needed

@@ -199,7 +199,9 @@ class ElasticDriver:
         try:
             for key, value in self.store_items.items():
                 self.server.put(key, value)
-            self._wait_for_slots(max(self.num_proc, self.min_np), "to start")  # never below --min-np
+            # horovodrun and horovod.run() refuse -np below --min-np (JobSpec.check_process_counts); the floor
+            # stays for drivers made elsewhere (Ray, Spark)
+            self._wait_for_slots(max(self.num_proc, self.min_np), "to start")
             self._new_generation(survivors=set())
             self._loop()
             if self.late_failure is not None:

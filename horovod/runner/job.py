@@ -121,9 +121,17 @@ class JobSpec:
         return command
 
     def host_list(self) -> list[hosts_mod.HostInfo]:
-        """``--hostfile``, else ``-H``, else ``localhost:<np>``."""
+        """``--hostfile``, else ``-H``, else ``localhost:<np>``.
+
+        Raises:
+            ValueError: a bad host or hostfile line, or a hostfile that cannot be read (naming the option and
+                the path).
+        """
         if self.hostfile:
-            spec = hosts_mod.parse_host_files(self.hostfile)
+            try:
+                spec = hosts_mod.parse_host_files(self.hostfile)
+            except OSError as e:  # the bare "[Errno 2] No such file or directory: 'x'" named no option
+                raise ValueError(f"--hostfile {self.hostfile}: cannot read it: {e.strerror or e}") from None
         elif self.hosts:
             spec = self.hosts
         else:

@@ -160,6 +160,10 @@ def _run(job: JobSpec, stop_event: threading.Event | None = None) -> list[Any] |
         print(_check_build_text(job.verbose))
         return None
     job.check()
+    if job.output_filename and (job.is_elastic() or not job.use_mpi):  # under --mpi, mpirun writes it
+        from horovod.runner.output import make_output_dir
+
+        make_output_dir(job.output_filename)  # before anything starts, as upstream
     if job.is_elastic():
         from horovod.runner.elastic.driver import run_elastic
 

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from typing import IO, BinaryIO
 
-__all__ = ["OutputSink", "forward_stream", "rank_dir_name"]
+__all__ = ["OutputSink", "forward_stream", "rank_dir_name", "make_output_dir"]
 
 _LINE_END = re.compile(r"\r\n|\r|\n")
 
@@ -24,6 +24,34 @@ def rank_dir_name(rank: int, num_proc: int) -> str:
     """``rank.<rank>`` zero-padded to the digits of ``num_proc - 1`` (np=1 gives ``rank.0``)."""
     width = len(str(max(num_proc - 1, 0)))
     return f"rank.{rank:0{width}d}"
+
+
+def make_output_dir(output_dir: str, sub: str = "") -> str:
+    """Create ``--output-filename``'s directory, or ``sub`` in it (a rank's), and return its path.
+
+    Raises:
+        ValueError: it cannot be created; the text names the option, the path and why (the bare ``OSError``
+            named neither the option nor, for a parent that is a file, which part of the path is wrong).
+    """
+    path = os.path.join(output_dir, sub) if sub else output_dir
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        what = f"cannot create {path}" if sub else "cannot create the directory"
+        raise ValueError(f"--output-filename {output_dir}: {what}: {_why_not_created(path, e)}") from None
+    return path
+
+
+def _why_not_created(path: str, error: OSError) -> str:
+    existing = path
+    while existing and not os.path.lexists(existing):
+        parent = os.path.dirname(existing)
+        if parent == existing:
+            break
+        existing = parent
+    if existing and os.path.lexists(existing) and not os.path.isdir(existing):
+        return f"{existing} is not a directory"
+    return error.strerror or str(error)
 
 
 class OutputSink:

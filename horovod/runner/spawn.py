@@ -39,7 +39,7 @@ from collections.abc import Callable, Sequence
 from typing import BinaryIO
 
 from horovod.base.exceptions import follows_from_another_rank
-from horovod.runner.output import OutputSink, forward_stream, rank_dir_name
+from horovod.runner.output import OutputSink, forward_stream, make_output_dir, rank_dir_name
 
 __all__ = ["WorkerSpec", "JobFailure", "spawn_local", "run_workers", "failure_message", "TERMINATE_GRACE",
            "WATCHDOG_PATH", "watchdog_source", "ORPHAN_GRACE"]
@@ -220,12 +220,25 @@ class OutputOptions:
 
 def open_output_files(options: OutputOptions, rank: int, num_proc: int,
                       mode: str = "wb") -> tuple[BinaryIO, BinaryIO] | None:
-    """``--output-filename``: ``DIR/rank.<rank>/{stdout,stderr}``, or None without an output directory."""
+    """``--output-filename``: ``DIR/rank.<rank>/{stdout,stderr}``, or None without an output directory.
+
+    Raises:
+        ValueError: a directory or file cannot be created (the text names the option and the path).
+    """
     if not options.output_dir:
         return None
-    rank_dir = os.path.join(options.output_dir, rank_dir_name(rank, num_proc))
-    os.makedirs(rank_dir, exist_ok=True)
-    return open(os.path.join(rank_dir, "stdout"), mode), open(os.path.join(rank_dir, "stderr"), mode)
+    rank_dir = make_output_dir(options.output_dir, rank_dir_name(rank, num_proc))
+    opened: list[BinaryIO] = []
+    try:
+        for name in ("stdout", "stderr"):
+            path = os.path.join(rank_dir, name)
+            opened.append(open(path, mode))
+    except OSError as e:
+        for f in opened:
+            f.close()
+        raise ValueError(f"--output-filename {options.output_dir}: cannot write {path}: "
+                         f"{e.strerror or e}") from None
+    return opened[0], opened[1]
 
 
 def run_workers(specs: Sequence[WorkerSpec], spawner: Spawner = spawn_local,

@@ -132,6 +132,52 @@ def test_output_filename_np1_and_timestamp(tmp_path):
     assert re.search(r"^\w{3} \w{3} [ \d]\d \d\d:\d\d:\d\d \d{4}\[0\]<stdout>:hello$", proc.stdout, re.M), proc.stdout
 
 
+ELASTIC_TWO_SLOTS = ["--min-np", "1", "-H", "localhost:1,127.0.0.1:1"]
+
+
+@pytest.mark.parametrize("mode", [[], ELASTIC_TWO_SLOTS])
+def test_output_filename_that_cannot_be_created_is_named(tmp_path, mode):
+    """An --output-filename below a regular file failed with a bare "[Errno 20] Not a directory: '...'" (a
+    static job after starting the rendezvous store): the error names the option, the path and the part of it
+    that is a file, before anything starts.  A rank directory that cannot be made is named the same way."""
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    out = afile / "logs"
+    proc = horovodrun("-np", "2", *mode, "--output-filename", str(out), sys.executable, "-c", "print('started')")
+    assert proc.returncode == 1, proc.stderr
+    assert (f"horovodrun: error: --output-filename {out}: cannot create the directory: {afile} is not a "
+            "directory\n") in proc.stderr, proc.stderr
+    assert "started" not in proc.stdout and "rendezvous" not in proc.stderr, proc.stderr
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / "rank.1").write_text("x")
+    proc = horovodrun("-np", "2", *mode, "--output-filename", str(logs), sys.executable, "-c", "print('started')")
+    assert proc.returncode == 1, proc.stderr
+    assert (f"horovodrun: error: --output-filename {logs}: cannot create {logs / 'rank.1'}: {logs / 'rank.1'} "
+            "is not a directory\n") in proc.stderr, proc.stderr
+
+
+def test_horovod_run_output_filename_that_cannot_be_created(tmp_path):
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    with pytest.raises(ValueError, match=f"^--output-filename {afile}/out: cannot create the directory: "
+                                         f"{afile} is not a directory$"):
+        horovod.run(_rank_env, np=1, output_filename=str(afile / "out"))
+
+
+@pytest.mark.parametrize("mode", [[], ELASTIC_TWO_SLOTS[:2], ["--mpi"]])
+def test_missing_hostfile_is_named(tmp_path, mode):
+    """A mistyped --hostfile failed with a bare "[Errno 2] No such file or directory: '...'"."""
+    missing = tmp_path / "hosts.txt"
+    proc = horovodrun("-np", "2", *mode, "--hostfile", str(missing), "true")
+    assert proc.returncode == 1, proc.stderr
+    assert f"horovodrun: error: --hostfile {missing}: cannot read it: No such file or directory\n" in proc.stderr, \
+        proc.stderr
+    proc = horovodrun("-np", "2", *mode, "--hostfile", str(tmp_path), "true")
+    assert f"horovodrun: error: --hostfile {tmp_path}: cannot read it: Is a directory\n" in proc.stderr, \
+        proc.stderr
+
+
 def test_shell_command_string():
     proc = horovodrun("-np", "2", "echo rank $HOROVOD_RANK | tr a-z A-Z")
     assert proc.returncode == 0, proc.stderr

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
-import os
 import shlex
 import signal
 import sys
@@ -187,7 +186,7 @@ def _run(job: JobSpec, stop_event: threading.Event | None = None) -> list[Any] |
     if remote:  # under --mpi too, as upstream: mpirun's own ssh then finds the hosts known, or we name the host
         from horovod.runner import ssh
 
-        cwd = _working_directory()
+        cwd = ssh.working_directory()
 
         if job.verbose:
             logger.info("Filtering local host names.")
@@ -252,20 +251,6 @@ def _run(job: JobSpec, stop_event: threading.Event | None = None) -> list[Any] |
         return None
     finally:
         server.stop()
-
-
-def _working_directory() -> str:
-    """The launcher's working directory, where the ranks on other hosts start.
-
-    Raises:
-        RuntimeError: it was removed (a shell left in a deleted directory).
-    """
-    try:
-        return os.getcwd()
-    except FileNotFoundError:
-        raise RuntimeError("horovodrun's working directory no longer exists (removed or replaced since this "
-                           "shell entered it); the ranks on other hosts start in the launcher's directory: cd "
-                           "to an existing directory, the same path on every host, and run again") from None
 
 
 def _record_exit(server: Any, rank: int, code: int) -> None:

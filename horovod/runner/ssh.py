@@ -29,7 +29,7 @@ from collections.abc import Mapping, Sequence
 from horovod.runner.mpi_run import is_exportable
 from horovod.runner.spawn import ORPHAN_GRACE, Interrupted, WorkerSpec, watchdog_source
 
-__all__ = ["SshOptions", "ssh_command", "check_hosts", "SshSpawner", "remote_env"]
+__all__ = ["SshOptions", "ssh_command", "check_hosts", "SshSpawner", "remote_env", "working_directory"]
 
 logger = logging.getLogger(__name__)
 
@@ -159,6 +159,20 @@ def check_hosts(hosts: Sequence[str], options: SshOptions, attempts: int = 2,
                            "(-p/--ssh-port, -i/--ssh-identity-file).")
 
 
+def working_directory() -> str:
+    """The launcher's working directory, where the ranks on other hosts start (static and elastic jobs).
+
+    Raises:
+        RuntimeError: it was removed (a shell left in a deleted directory).
+    """
+    try:
+        return os.getcwd()
+    except FileNotFoundError:
+        raise RuntimeError("horovodrun's working directory no longer exists (removed or replaced since this "
+                           "shell entered it); the ranks on other hosts start in the launcher's directory: cd "
+                           "to an existing directory, the same path on every host, and run again") from None
+
+
 def remote_env(env: Mapping[str, str]) -> dict[str, str]:
     """The part of a worker's environment that is sent to a remote host (upstream's exportable set)."""
     return {k: v for k, v in env.items() if is_exportable(k) and k not in _NOT_REMOTE}
@@ -186,7 +200,7 @@ class SshSpawner:
         self.grace = grace
 
     def __call__(self, spec: WorkerSpec) -> subprocess.Popen:
-        payload = {"cwd": spec.cwd or os.getcwd(), "command": spec.command if isinstance(spec.command, str)
+        payload = {"cwd": spec.cwd or working_directory(), "command": spec.command if isinstance(spec.command, str)
                    else list(spec.command), "env": remote_env(spec.env), "grace": self.grace, "local": False}
         remote = f"{shlex.quote(self.python)} -u -c {shlex.quote(watchdog_source())}"
         proc = _SshProcess(ssh_command(spec.hostname, self.options, remote), stdin=subprocess.PIPE,

@@ -662,20 +662,52 @@ def test_missing_ssh_identity_file_is_named(tmp_path):
     assert proc.returncode == 0 and "ran" in proc.stdout, proc.stderr
 
 
+def _in_a_deleted_directory(gone, code, *args):
+    """Run ``code`` (``sys.argv[1:]`` are ``args``) in a directory that was removed after the process entered it."""
+    enter = "import os, sys; os.mkdir(sys.argv[1]); os.chdir(sys.argv[1]); os.rmdir(sys.argv[1]); sys.argv[1:2] = []; "
+    return subprocess.run([sys.executable, "-c", enter + code, str(gone), *args], env=_env(), capture_output=True,
+                          text=True, timeout=TIMEOUT)
+
+
+GONE_DIRECTORY = "horovodrun's working directory no longer exists"
+
+
 def test_launcher_in_a_deleted_directory(tmp_path):
     """A shell left in a directory that was removed (``rm -rf build; mkdir build`` from another shell):
     horovodrun failed with a bare '[Errno 2] No such file or directory'.  Ranks on this host inherit the
     directory as any child does; ranks on other hosts start in the launcher's directory, so that is named."""
-    gone = tmp_path / "gone"
-    launch = ("import os, sys; os.mkdir(sys.argv[1]); os.chdir(sys.argv[1]); os.rmdir(sys.argv[1]); "
-              "sys.argv[1:2] = []; from horovod.runner.launch import run_commandline; run_commandline()")
-
     def run(*args):
-        return subprocess.run([sys.executable, "-c", launch, str(gone), *args], env=_env(), capture_output=True,
-                              text=True, timeout=TIMEOUT)
+        return _in_a_deleted_directory(tmp_path / "gone", "from horovod.runner.launch import run_commandline; "
+                                       "run_commandline()", *args)
 
     proc = run("-np", "2", sys.executable, "-c", "print('ran')")
     assert proc.returncode == 0 and _lines(proc.stdout, 1) == ["ran"], proc.stderr
     proc = run("-np", "1", "-H", "remote-host.invalid:1", "true")
     assert proc.returncode == 1
-    assert "horovodrun's working directory no longer exists" in proc.stderr, proc.stderr
+    assert GONE_DIRECTORY in proc.stderr, proc.stderr
+
+
+def test_elastic_launcher_in_a_deleted_directory(tmp_path):
+    """The same for an elastic job: it failed with the bare '[Errno 2] No such file or directory' when it
+    started its worker on the remote host, after the local one.  Now named before any worker starts; a job on
+    this host only runs."""
+    def run(hosts):
+        return _in_a_deleted_directory(tmp_path / "gone", "from horovod.runner.launch import run_commandline; "
+                                       "run_commandline()", "-np", "2", "--min-np", "2", "-H", hosts,
+                                       "--elastic-timeout", "10", sys.executable, "-c", "print('ran')")
+
+    proc = run("localhost:1,127.0.0.1:1")
+    assert proc.returncode == 0 and _lines(proc.stdout, 0) == _lines(proc.stdout, 1) == ["ran"], proc.stderr
+    proc = run("localhost:1,remote-host.invalid:1")
+    assert proc.returncode == 1, proc.stderr
+    assert f"horovodrun: error: {GONE_DIRECTORY}" in proc.stderr and "ran" not in proc.stdout, proc.stderr
+    assert "generation 0" not in proc.stderr, proc.stderr
+
+
+def test_ssh_start_in_a_deleted_directory(tmp_path):
+    """A host that an elastic job's discovery adds later starts over ssh too: the spawner names the cause."""
+    proc = _in_a_deleted_directory(
+        tmp_path / "gone", "from horovod.runner.spawn import WorkerSpec; from horovod.runner.ssh import SshOptions, "
+        "SshSpawner; SshSpawner(SshOptions())(WorkerSpec(rank=1, command=['true'], env={}, "
+        "hostname='remote-host.invalid'))")
+    assert proc.returncode == 1 and f"RuntimeError: {GONE_DIRECTORY}" in proc.stderr, proc.stderr

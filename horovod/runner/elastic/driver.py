@@ -185,6 +185,7 @@ class ElasticDriver:
 
         try:
             self._first_discovery()  # the first discovery failure is fatal (upstream)
+            self._check_remote_start()
         except BaseException:  # Ctrl-C, SIGTERM: the script runs in a session of its own, so stop it here
             self.hosts.discovery.close()
             raise
@@ -229,6 +230,18 @@ class ElasticDriver:
         if isinstance(call.answer, BaseException):
             raise call.answer
         self.hosts.apply(call.answer)
+
+    def _check_remote_start(self) -> None:
+        """Workers started over ssh start in the launcher's directory: one that was removed is named before
+        any worker starts (as in a static job), not by the first remote start, after the local ones.
+
+        Raises:
+            RuntimeError: a host known now is started over ssh and the launcher's directory is gone.
+        """
+        from horovod.runner.ssh import SshSpawner, working_directory
+
+        if any(isinstance(self._spawner(h.hostname), SshSpawner) for h in self.hosts.usable_hosts()):
+            working_directory()
 
     def _bind_address(self) -> str:
         """The store's first address, chosen as for a static job (``horovod.runner.network``), never all

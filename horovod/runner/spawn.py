@@ -41,8 +41,8 @@ from typing import BinaryIO
 from horovod.base.exceptions import follows_from_another_rank
 from horovod.runner.output import OutputSink, forward_stream, make_output_dir, rank_dir_name
 
-__all__ = ["WorkerSpec", "JobFailure", "spawn_local", "run_workers", "failure_message", "TERMINATE_GRACE",
-           "WATCHDOG_PATH", "watchdog_source", "ORPHAN_GRACE"]
+__all__ = ["WorkerSpec", "JobFailure", "spawn_local", "run_workers", "failure_message", "exit_status",
+           "TERMINATE_GRACE", "WATCHDOG_PATH", "watchdog_source", "ORPHAN_GRACE"]
 
 logger = logging.getLogger(__name__)
 
@@ -91,23 +91,29 @@ def failure_message(rank: int, exit_code: int) -> str:
             f"{exit_code}\n")
 
 
+def exit_status(returncode: int) -> int:
+    """A worker's exit status as upstream's launcher reports it: ``Popen.returncode``, except 128+N for a
+    process killed by signal N (137 for SIGKILL), as a shell reports it.
+
+    Upstream's local launcher reports what its middleman process exits with, which turns the negative
+    returncode of a signal into 128+N; a rank on another host is reported with ssh's status, 128+N as well.
+    """
+    return 128 - returncode if returncode < 0 else returncode
+
+
 class JobFailure(RuntimeError):
     """A worker exited non-zero (or was killed by a signal); ``str()`` is upstream's message."""
 
     def __init__(self, rank: int, exit_code: int) -> None:
-        message = failure_message(rank, exit_code)
-        if exit_code < 0:
-            message += f"(killed by signal {_signal_name(-exit_code)})\n"
-        super().__init__(message)
+        exit_code = exit_status(exit_code)
+        super().__init__(failure_message(rank, exit_code))
         self.rank = rank
         self.exit_code = exit_code
 
     @property
     def shell_exit_code(self) -> int:
-        """The launcher's own exit status: the worker's code, or 128+signal as a shell would report."""
-        if 0 < self.exit_code < 256:
-            return self.exit_code
-        return 128 + (-self.exit_code) if self.exit_code < 0 else 1
+        """The launcher's own exit status: the worker's (128+signal for a signal), 1 where that is out of range."""
+        return self.exit_code if 0 < self.exit_code < 256 else 1
 
 
 class Interrupted(RuntimeError):
@@ -272,7 +278,7 @@ def run_workers(specs: Sequence[WorkerSpec], spawner: Spawner = spawn_local,
         return seen
 
     def wait_for(rank: int, proc: subprocess.Popen) -> None:
-        exits.put((rank, proc.wait()))
+        exits.put((rank, exit_status(proc.wait())))  # 137 for SIGKILL, here as over ssh (and upstream)
 
     try:
         for spec in specs:

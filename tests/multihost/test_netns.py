@@ -142,6 +142,20 @@ def test_remote_rank_killed_mid_job(netns_hosts, tmp_path):
     assert not left, f"orphaned workers: {left}"
 
 
+@pytest.mark.parametrize("victim", [0, 1])
+def test_rank_killed_by_sigkill_is_reported_alike_here_and_over_ssh(netns_hosts, victim):
+    """Rank 0 runs on the launcher's host, rank 1 over ssh: each killed by SIGKILL is reported with upstream's
+    words and 137 (the local one was -9, Popen's returncode, where upstream's launcher reports 137)."""
+    kill = ("import os, signal, time\n"
+            f"if os.environ['HOROVOD_RANK'] == '{victim}': os.kill(os.getpid(), signal.SIGKILL)\n"
+            "time.sleep(30)")
+    proc = netns_hosts.horovodrun("hvdh1", ["-np", "2", "-H", "hvdh1:1,hvdh2:1", sys.executable, "-c", kill],
+                                  timeout=60)
+    assert proc.returncode == 137, proc.stderr[-3000:]
+    assert f"Process {victim} exit with status code 137.\n" in proc.stderr, proc.stderr[-3000:]
+    assert f"The first process to do so was:\nProcess name: {victim}\nExit code: 137\n" in proc.stderr
+
+
 def test_failure_on_one_host_ends_hung_ranks_everywhere(netns_hosts, tmp_path):
     started = time.monotonic()
     proc = _launch(netns_hosts, ["-np", "4", "-H", "hvdh1:2,hvdh2:1,hvdh3:1", sys.executable, WORKER,

@@ -550,7 +550,7 @@ class ElasticDriver:
             readers.append(t)
         worker = _Worker(slot, s.hostname, proc, label, readers)
         self.workers[slot] = worker
-        threading.Thread(target=lambda: self._exits.put((worker, proc.wait())), daemon=True,
+        threading.Thread(target=lambda: self._exits.put((worker, spawn.exit_status(proc.wait()))), daemon=True,
                          name=f"horovod-elastic-wait-{slot}").start()
         logger.debug("elastic: started %s as rank %d (pid %d)", slot, s.rank, proc.pid)
 

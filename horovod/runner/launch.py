@@ -30,6 +30,7 @@ from horovod.base.config import DEFAULT_START_TIMEOUT
 from horovod.runner import hosts as hosts_mod
 from horovod.runner import knobs as knobs_mod
 from horovod.runner import run_func
+from horovod.runner.common.util.timeout import TimeoutException
 from horovod.runner.job import JobSpec, split_nics
 from horovod.runner.worker_env import launcher_env, worker_env
 
@@ -349,7 +350,7 @@ def run_commandline(argv: Sequence[str] | None = None) -> None:
     except KeyboardInterrupt:
         logger.error("horovodrun interrupted (Ctrl-C); all workers terminated")
         sys.exit(130)
-    except (ValueError, RuntimeError, OSError) as e:
+    except (ValueError, RuntimeError, OSError, TimeoutException) as e:
         logger.error("horovodrun: error: %s", e)
         sys.exit(1)
 

@@ -244,7 +244,9 @@ def test_a_job_never_starts_below_min_np(tmp_path):
                           "--host-discovery-script", str(script), sys.executable, "-c", "print('started')"],
                          capture_output=True, text=True, timeout=60, cwd=str(tmp_path))
     assert out.returncode != 0 and "started" not in out.stdout, out.stdout + out.stderr
-    assert "Timed out waiting for 2 slots to start (found 1; --elastic-timeout 2 s)." in out.stderr
+    assert ("Timed out waiting for minimum number of slots to become available. Please check that you have enough "
+            "resources to run at least 2 Horovod processes. Timeout after 2 seconds (2 slots needed to start, 1 "
+            "found; --elastic-timeout).") in out.stderr, out.stderr
 
 
 def test_every_worker_failing_ends_the_job_with_upstreams_message(tmp_path):
@@ -279,7 +281,8 @@ def test_every_host_removed_interrupts_the_job(elastic_job):
     assert job.wait() != 0, job.output()
     log = job.log_text()
     assert "hosts changed (removed)" in log, job.output()
-    assert "Timed out waiting for 1 slots to continue (found 0; --elastic-timeout 3 s)." in log, job.output()
+    assert ("enough resources to run at least 1 Horovod processes. Timeout after 3 seconds (1 slots needed to "
+            "continue, 0 found; --elastic-timeout).") in log, job.output()
     job.assert_no_leftovers()
 
 

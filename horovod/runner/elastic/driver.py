@@ -34,6 +34,7 @@ from horovod.base.config import ENV_VARS, format_number, read_env
 from horovod.common.elastic_init import heartbeat_period
 from horovod.runner import hosts as hosts_mod
 from horovod.runner import spawn
+from horovod.runner.common.util.timeout import TimeoutException
 from horovod.runner.elastic.discovery import (
     DISCOVER_HOSTS_FREQUENCY_SECS,
     FixedHosts,
@@ -321,8 +322,12 @@ class ElasticDriver:
             if blacklisted:
                 raise AllHostsBlacklisted(f"All hosts are blacklisted; {needed} slots needed {why}.")
             if time.monotonic() > deadline:
-                raise RuntimeError(f"Timed out waiting for {needed} slots {why} (found {available}; "
-                                   f"--elastic-timeout {self.elastic_timeout:.0f} s).")
+                # upstream's words (its driver's Timeout), then what it leaves out: why, and what was found
+                raise TimeoutException(
+                    "Timed out waiting for minimum number of slots to become available. Please check that you "
+                    f"have enough resources to run at least {needed} Horovod processes. Timeout after "
+                    f"{format_number(self.elastic_timeout)} seconds ({needed} slots needed {why}, {available} "
+                    "found; --elastic-timeout).")
             self._drain_exits_while_waiting()
             time.sleep(_TICK)
             self._discover(last)

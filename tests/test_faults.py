@@ -297,6 +297,55 @@ def test_torch_models_with_other_parameters_end_the_job_within_seconds(tmp_path,
     assert code != 0
 
 
+@pytest.mark.parametrize("differ", ["extra_leading_layer", "renamed_first_module"])
+def test_torch_models_whose_first_parameter_differs_end_the_job_within_seconds(tmp_path, differ):
+    """Rank 1's model has one more layer before the others (``stem``), or its first module has another name
+    (``inp`` for ``fc1``, same shapes).  The parameter check was named after the first parameter
+    (``parameters_of.<first>``): the ranks sent differently named checks, neither ever matched, and the job
+    stalled instead of failing.  The check's name is now the optimizer's creation ordinal, the same on every
+    rank, and every rank raises the mismatch error at once."""
+    pytest.importorskip("torch")
+    body = f"""
+        import collections
+        import torch
+        import horovod.torch as hvd
+        hvd.init()
+        odd = hvd.rank() == 1
+        differ = {differ!r}
+        layers = [("fc1", torch.nn.Linear(16, 16)), ("fc2", torch.nn.Linear(16, 4))]
+        if odd and differ == "extra_leading_layer":
+            layers.insert(0, ("stem", torch.nn.Linear(16, 16)))
+        if odd and differ == "renamed_first_module":
+            layers[0] = ("inp", layers[0][1])
+        model = torch.nn.Sequential(collections.OrderedDict(layers))
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                       named_parameters=model.named_parameters())
+        t0 = time.monotonic()
+        try:
+            model(torch.randn(4, 16)).sum().backward()
+            opt.step()
+            report(ok=True)
+        except Exception as e:
+            report(error=str(e), type=type(e).__name__, elapsed=time.monotonic() - t0)
+            raise
+    """
+    t0 = time.monotonic()
+    code, out = _run(tmp_path, 2, body, timeout=60.0, OMP_NUM_THREADS="1")
+    assert time.monotonic() - t0 < 45, "the job took too long to end"
+    reports = _reports(tmp_path, 2)
+    assert sorted(reports) == [0, 1], out
+    odd_count, odd_first = {"extra_leading_layer": (6, "stem.weight"),
+                            "renamed_first_module": (4, "inp.weight")}[differ]
+    for r in range(2):
+        assert reports[r]["type"] == "PreconditionError", reports[r]
+        count, start = (odd_count, odd_first) if r == 1 else (4, "fc1.weight")
+        assert reports[r]["error"].startswith(
+            "Mismatched parameters: the ranks' DistributedOptimizers do not reduce the same parameters; this "
+            f"rank's {count} trainable parameters run from {start} to fc2.bias."), reports[r]
+        assert reports[r]["elapsed"] < 15, reports[r]
+    assert code != 0
+
+
 @pytest.mark.parametrize("prefixed", [False, True], ids=["same-names", "prefixed"])
 def test_two_torch_optimizers_over_parameters_of_the_same_names(tmp_path, prefixed):
     """A GAN: a generator and a discriminator built alike, each with its ``DistributedOptimizer``; one backward

@@ -194,6 +194,23 @@ class _Reduction:
                 p.grad.copy_(out)
 
 
+# DistributedOptimizers made so far in this process, per process set: the next one's ordinal names its
+# parameter check (see _DistributedOptimizer._check_parameters)
+_optimizers_made: collections.Counter = collections.Counter()
+
+
+def _next_check_name(process_set: ProcessSet) -> str:
+    """``parameters_of.optimizer.<k>`` for the k-th DistributedOptimizer this process makes over
+    ``process_set`` (counted per set: a rank outside a set makes none of its optimizers, and check names are
+    the engine's per set).  Every rank of a correct program makes its optimizers in the same order, whatever
+    their parameters; a name taken from the parameters (the first one's, before) differed exactly when the
+    check had something to report, and the ranks' checks never met: a stall instead of the error."""
+    key = process_set.process_set_id if process_set.process_set_id is not None else tuple(process_set.ranks or ())
+    k = _optimizers_made[key]
+    _optimizers_made[key] += 1
+    return f"parameters_of.optimizer.{k}"
+
+
 @contextlib.contextmanager
 def _naming_another_optimizer(name: str) -> Iterator[None]:
     """Upstream's duplicate-name error, with its likely cause here: two optimizers (a GAN's generator and
@@ -246,6 +263,7 @@ class _DistributedOptimizer:
         # the check's reduction while it is in flight
         self._parameters_checked_in = (0, 0)
         self._parameters_check: Any = None
+        self._parameters_check_name = _next_check_name(process_set)
         self._parameters_looked_at = False  # this step (one look per step: the hooks are the hot path)
         self._register_hooks(p for group in optimizer.param_groups for p in group["params"])
 
@@ -543,17 +561,19 @@ class _DistributedOptimizer:
 
     def _check_parameters(self) -> None:
         """With a step's first reduction, once per participation epoch: sum every rank's digest of its trainable
-        parameters' names under a name every rank sends (its first parameter's).  Ranks training
-        different models (another number of layers, a layer frozen on one rank) reduce names the others never
-        send, which only stalled; ``synchronize()`` now fails on every rank first (:meth:`_await_check`)."""
+        parameters' names under a name every rank sends whatever its parameters (the optimizer's creation
+        ordinal, :func:`_next_check_name`; two optimizers of one process, a GAN's, have their own).  Ranks
+        training different models (another number of layers, a layer frozen or renamed on one rank) reduce
+        names the others never send, which only stalled; ``synchronize()`` now fails on every rank first
+        (:meth:`_await_check`)."""
         if self._parameters_looked_at:
             return
         self._parameters_looked_at = True
         if self._parameters_check is not None or self._parameters_checked_in == basics.participation_epoch():
             return
-        first = self._parameter_names[self._requires_update[0]]
         self._parameters_check = allreduce_async_(torch.from_numpy(parameter_moments(self._trainable_names())),
-                                                  name=f"parameters_of.{first}", op=Sum, process_set=self.process_set)
+                                                  name=self._parameters_check_name, op=Sum,
+                                                  process_set=self.process_set)
 
     def _await_check(self) -> None:
         check, self._parameters_check = self._parameters_check, None

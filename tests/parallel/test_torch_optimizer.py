@@ -96,6 +96,48 @@ def test_a_layer_unfrozen_after_wrapping_is_averaged():
     assert_same(ref, model)
 
 
+def _gan(seed: int):
+    torch.manual_seed(seed)
+    return (nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 6)),   # generator
+            nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1)))   # discriminator
+
+
+@pytest.mark.parametrize("groups", [None], ids=["buckets"])
+def test_gan_two_optimizers_equal_a_single_process(groups):
+    """A GAN: a generator's and a discriminator's DistributedOptimizer in one process.  Each checks once that
+    every rank reduces the same parameters, under a name of its own (its creation ordinal: the two checks of
+    the first generator pass, which reaches both models, are in flight together).  Generator and discriminator
+    steps alternate; the weights equal one process's on the whole batches."""
+    steps, rows = 3, ROWS * SIZE
+    gen = torch.Generator().manual_seed(7)
+    data = [(torch.randn(rows, 4, generator=gen), torch.randn(rows, 6, generator=gen)) for _ in range(steps)]
+    ones, zeros = torch.ones(rows, 1), torch.zeros(rows, 1)
+
+    def run(G, D, og, od, mine):
+        for z, real in data:
+            og.zero_grad()  # generator first: its backward also reaches every discriminator parameter
+            F.mse_loss(D(G(mine(z))), mine(ones)).backward()
+            og.step()
+            od.zero_grad()
+            fake = G(mine(z)).detach()
+            (F.mse_loss(D(mine(real)), mine(ones)) + F.mse_loss(D(fake), mine(zeros))).backward()
+            od.step()
+
+    ref_g, ref_d = _gan(0)
+    run(ref_g, ref_d, torch.optim.SGD(ref_g.parameters(), lr=0.1, momentum=0.9),
+        torch.optim.SGD(ref_d.parameters(), lr=0.1, momentum=0.9), lambda t: t)
+    G, D = _gan(0)
+    og = hvd.DistributedOptimizer(torch.optim.SGD(G.parameters(), lr=0.1, momentum=0.9),
+                                  named_parameters=G.named_parameters(prefix="generator"), groups=groups)
+    od = hvd.DistributedOptimizer(torch.optim.SGD(D.parameters(), lr=0.1, momentum=0.9),
+                                  named_parameters=D.named_parameters(prefix="discriminator"), groups=groups)
+    assert og._parameters_check_name != od._parameters_check_name
+    run(G, D, og, od, lambda t: my_rows(t, 1, 0))
+    assert not torch.equal(G[0].weight, _gan(0)[0][0].weight)  # it did train
+    assert_same(ref_g, G)
+    assert_same(ref_d, D)
+
+
 def test_equivalence_backward_passes_per_step():
     assert_same(*train(passes=2))
 

@@ -199,16 +199,18 @@ class _Reduction:
 _optimizers_made: collections.Counter = collections.Counter()
 
 
-def _next_check_name(process_set: ProcessSet) -> str:
-    """``parameters_of.optimizer.<k>`` for the k-th DistributedOptimizer this process makes over
-    ``process_set`` (counted per set: a rank outside a set makes none of its optimizers, and check names are
-    the engine's per set).  Every rank of a correct program makes its optimizers in the same order, whatever
-    their parameters; a name taken from the parameters (the first one's, before) differed exactly when the
-    check had something to report, and the ranks' checks never met: a stall instead of the error."""
+def _next_ordinal(process_set: ProcessSet) -> int:
+    """k for the k-th DistributedOptimizer this process makes over ``process_set`` (counted per set: a rank
+    outside a set makes none of its optimizers, and names are the engine's per set).  Every rank of a correct
+    program makes its optimizers in the same order, whatever their parameters, so the names an optimizer
+    makes from it (its parameter check, ``parameters_of.optimizer.<k>``; its groups, ``optimizer.<k>.group.<i>``)
+    are the same on every rank and another optimizer's (a GAN's) never.  A name taken from the parameters (the
+    first one's, before) differed exactly when the check had something to report, and the ranks' checks
+    never met: a stall instead of the error."""
     key = process_set.process_set_id if process_set.process_set_id is not None else tuple(process_set.ranks or ())
     k = _optimizers_made[key]
     _optimizers_made[key] += 1
-    return f"parameters_of.optimizer.{k}"
+    return k
 
 
 @contextlib.contextmanager
@@ -263,7 +265,8 @@ class _DistributedOptimizer:
         # the check's reduction while it is in flight
         self._parameters_checked_in = (0, 0)
         self._parameters_check: Any = None
-        self._parameters_check_name = _next_check_name(process_set)
+        self._ordinal = _next_ordinal(process_set)
+        self._parameters_check_name = f"parameters_of.optimizer.{self._ordinal}"
         self._parameters_looked_at = False  # this step (one look per step: the hooks are the hot path)
         self._register_hooks(p for group in optimizer.param_groups for p in group["params"])
 
@@ -548,8 +551,9 @@ class _DistributedOptimizer:
                                               prescale_factor=prescale, postscale_factor=postscale,
                                               process_set=self.process_set)
             else:
-                handle = grouped_allreduce_async_(tensors, name=f"group.{group_id}", op=self.op,
-                                                  prescale_factor=prescale, postscale_factor=postscale,
+                # named after this optimizer too: group.<i> of a GAN's two optimizers was a duplicate name
+                handle = grouped_allreduce_async_(tensors, name=f"optimizer.{self._ordinal}.group.{group_id}",
+                                                  op=self.op, prescale_factor=prescale, postscale_factor=postscale,
                                                   process_set=self.process_set)
             reduction = _Reduction(list(params), tensors, ctxs, handle, self._compression, sparse_dims)
         for p in params:
@@ -562,7 +566,7 @@ class _DistributedOptimizer:
     def _check_parameters(self) -> None:
         """With a step's first reduction, once per participation epoch: sum every rank's digest of its trainable
         parameters' names under a name every rank sends whatever its parameters (the optimizer's creation
-        ordinal, :func:`_next_check_name`; two optimizers of one process, a GAN's, have their own).  Ranks
+        ordinal, :func:`_next_ordinal`; two optimizers of one process, a GAN's, have their own).  Ranks
         training different models (another number of layers, a layer frozen or renamed on one rank) reduce
         names the others never send, which only stalled; ``synchronize()`` now fails on every rank first
         (:meth:`_await_check`)."""

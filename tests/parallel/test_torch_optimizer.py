@@ -102,12 +102,13 @@ def _gan(seed: int):
             nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1)))   # discriminator
 
 
-@pytest.mark.parametrize("groups", [None], ids=["buckets"])
+@pytest.mark.parametrize("groups", [None, 1], ids=["buckets", "groups"])
 def test_gan_two_optimizers_equal_a_single_process(groups):
     """A GAN: a generator's and a discriminator's DistributedOptimizer in one process.  Each checks once that
     every rank reduces the same parameters, under a name of its own (its creation ordinal: the two checks of
-    the first generator pass, which reaches both models, are in flight together).  Generator and discriminator
-    steps alternate; the weights equal one process's on the whole batches."""
+    the first generator pass, which reaches both models, are in flight together), and so are its groups (both
+    optimizers' ``group.0`` were one name in flight twice: the duplicate-name error).  Generator and
+    discriminator steps alternate; the weights equal one process's on the whole batches."""
     steps, rows = 3, ROWS * SIZE
     gen = torch.Generator().manual_seed(7)
     data = [(torch.randn(rows, 4, generator=gen), torch.randn(rows, 6, generator=gen)) for _ in range(steps)]

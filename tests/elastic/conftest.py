@@ -111,7 +111,8 @@ class ElasticJob:
     def log_text(self) -> str:
         """The driver's whole log (launcher and every rank's output): what a test searches for a message,
         which a rank's long traceback after it must not push out of reach."""
-        self.log.flush()
+        if not self.log.closed:  # stop() closed it (a job that did not finish in time)
+            self.log.flush()
         return (self.tmp / "driver.log").read_text(errors="replace")
 
     def output(self) -> str:

@@ -3,15 +3,18 @@
 ``HorovodError`` is the root of our own errors.  ``HorovodInternalError`` (a ``RuntimeError`` as upstream)
 marks failures that elastic mode recovers from: a collective failed because a peer died or the job was shut
 down.  Mismatches detected by the coordinator are ``PreconditionError`` (also a ``HorovodInternalError`` so
-torch users catch them as upstream's ``RuntimeError``); bad arguments detected at enqueue are
-``ValueError``s.
+torch users catch them as upstream's ``RuntimeError``), and so is a shutdown for mismatched collectives (ranks
+that submitted different collectives and waited for each other until the stall deadline); elastic mode does
+not recover from a ``PreconditionError``, a program error that a reset cannot cure.  Bad arguments detected
+at enqueue are ``ValueError``s.
 """
 
 from __future__ import annotations
 
 __all__ = [
     "HorovodError", "HorovodInternalError", "HostsUpdatedInterrupt", "HorovodVersionMismatchError",
-    "PreconditionError", "ShutdownError", "AbortedError", "WireError", "SHUT_DOWN_MESSAGE",
+    "PreconditionError", "ShutdownError", "AbortedError", "WireError", "SHUT_DOWN_MESSAGE", "MISMATCHED_COLLECTIVES",
+    "shutdown_error",
 ]
 
 SHUT_DOWN_MESSAGE = (
@@ -19,6 +22,13 @@ SHUT_DOWN_MESSAGE = (
     "allreduce, allgather or broadcast a tensor after one of the ranks finished execution. If the shutdown "
     "was caused by an exception, you should see the exception in the log before the first shutdown message."
 )
+
+
+MISMATCHED_COLLECTIVES = "Mismatched collectives:"
+"""The start of a shutdown reason that is a program error, not a fault: the ranks submitted different
+collectives and each waited for the others until the stall deadline (``coordinator.mismatched_collectives``).
+Operations failed by such a shutdown raise :class:`PreconditionError`, as the other mismatches, instead of
+:class:`ShutdownError`: elastic mode does not reset for it (a reset runs into the same mismatch, forever)."""
 
 
 class HorovodError(Exception):
@@ -39,6 +49,15 @@ class ShutdownError(HorovodInternalError):
 
 class AbortedError(HorovodInternalError):
     """The operation is not supported in this combination; upstream's ABORTED status."""
+
+
+def shutdown_error(message: str, reason: str | None) -> HorovodInternalError:
+    """The error of an operation that the job's shutdown failed (``reason``: its cause; ``message``: the
+    shut-down text with the cause): :class:`PreconditionError` whose text starts with the cause for mismatched
+    collectives (:data:`MISMATCHED_COLLECTIVES`), else :class:`ShutdownError`."""
+    if reason is not None and reason.startswith(MISMATCHED_COLLECTIVES):
+        return PreconditionError(f"{reason} Horovod has been shut down.")
+    return ShutdownError(message)
 
 
 class WireError(HorovodError, ConnectionError):

@@ -10,6 +10,11 @@ A training function wrapped by :func:`run_fn` survives the loss or arrival of wo
   every rank raises ``HostsUpdatedInterrupt`` at the same commit, and the job re-initialises the same way
   without a rollback.
 
+A ``PreconditionError`` is not retried: the ranks disagree about a collective (shapes, types, parameters, or
+collectives submitted on some ranks only, such as ``state.commit()`` under ``if hvd.rank() == 0:``, which the
+stall inspector reports as mismatched collectives), an error in the program that the same code after a
+reset runs into again.  The worker raises it and the job ends.
+
 ``State`` takes ``bcast_object`` and ``get_rank`` callables, so this module imports no framework and no
 launcher code; the framework packages pass their own.  Host-update notices come from the rendezvous store
 (key ``elastic/hosts_updated``, written by the driver), polled by rank 0 only, at commit time.
@@ -27,7 +32,7 @@ from collections.abc import Callable
 from typing import Any
 
 from horovod.base.config import read_env
-from horovod.base.exceptions import HorovodInternalError, HostsUpdatedInterrupt
+from horovod.base.exceptions import HorovodInternalError, HostsUpdatedInterrupt, PreconditionError
 
 __all__ = ["State", "ObjectState", "run_fn", "run", "HostUpdateResult", "WorkerNotificationManager",
            "get_notification_manager"]
@@ -268,7 +273,8 @@ def run_fn(func: Callable[..., Any], reset: Callable[[], None]) -> Callable[...,
     """Wrap ``func(state, ...)`` so that it is retried after failures and host changes.
 
     ``reset`` re-initialises the framework (``shutdown(); init()``).  There is no retry limit here: the
-    driver's ``--reset-limit`` ends the job.
+    driver's ``--reset-limit`` ends the job.  A ``PreconditionError`` (a mismatch between the ranks, see the
+    module's docstring) is raised, not retried.
     """
 
     @functools.wraps(func)
@@ -283,6 +289,13 @@ def run_fn(func: Callable[..., Any], reset: Callable[[], None]) -> Callable[...,
                     if not skip_sync:
                         state.sync()
                     return func(state, *args, **kwargs)
+                except PreconditionError as e:
+                    # the ranks disagree about a collective (shapes, types, parameters, or collectives run on
+                    # some ranks only): the program's error, which the same code after a reset runs into again
+                    # -- it reset and failed forever.  A fault (a peer died or hung) is a ShutdownError.
+                    logger.error("elastic: not resetting for a mismatch between the ranks, an error in the "
+                                 "program: %s", _first_line(e))
+                    raise
                 except HorovodInternalError as e:
                     logger.warning("elastic: collective failed, rolling back to the last commit: %s", _first_line(e))
                     logger.debug("elastic: the whole error: %s", e)

@@ -38,6 +38,7 @@ import numpy as np
 
 from horovod.base.adasum import adasum_of
 from horovod.base.config import RuntimeConfig
+from horovod.base.exceptions import MISMATCHED_COLLECTIVES
 from horovod.base.reduce_ops import ReduceOp, data_plane_op
 from horovod.runtime.group_check import GroupSizes, group_of
 from horovod.runtime.messages import Request, RequestType, Response, dtype_of
@@ -45,7 +46,7 @@ from horovod.runtime.validation import build_response, process_set_ranks_error
 from horovod.transport.communicator import apply_reduce, reduce_into
 from horovod.transport.scaling import scale_inplace, scaled_copy
 
-__all__ = ["Coordinator", "collective_failure"]
+__all__ = ["Coordinator", "collective_failure", "mismatched_collectives"]
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +60,22 @@ _FAILURE = re.compile(r"rank (\d+): collective failed: (?:rank (\d+): timed out)
 def collective_failure(rank: int, cause: BaseException) -> str:
     """The shutdown reason of a rank whose collective failed (a timeout names the silent peer first)."""
     return f"rank {rank}: collective failed: {cause}"
+
+
+def mismatched_collectives(deadline: float, ranks: dict[int, tuple[list[str], list[str]]]) -> str:
+    """The shutdown reason of a stall in which every rank that the stalled tensors wait for is itself waiting
+    for tensors that other ranks never submitted (``ranks``: rank -> (never submitted, waits for)): the ranks
+    submitted different collectives (one run on some ranks only, e.g. under ``if hvd.rank() == 0:``), each
+    waits for the others, and no peer is merely slow or hung -- a program error that a reset (elastic mode)
+    cannot cure.  Its prefix makes every rank's pending operations fail with ``PreconditionError``, which
+    ``hvd.elastic.run`` does not recover from (see ``horovod.base.exceptions.MISMATCHED_COLLECTIVES``)."""
+    detail = "; ".join(f"rank {r} never submitted {lacks[:6]} and waits for {own[:6]}"
+                       for r, (lacks, own) in sorted(ranks.items()))
+    return (f"{MISMATCHED_COLLECTIVES} the ranks submitted different collectives and waited for each other "
+            f"for the stall deadline ({int(deadline)} s): {detail}. Every rank must submit the same collectives "
+            "(a collective, or a call that runs one such as an elastic state.commit(), on some ranks only -- e.g. "
+            "under `if hvd.rank() == 0:` -- waits forever); this is an error in the program, which an elastic "
+            "reset cannot cure.")
 EVICTION_WARNING = (
     "A response has been evicted from cache which may indicate reduced performance. Better performance may "
     "be obtained by disabling caching (HOROVOD_CACHE_CAPACITY=0) or increasing the cache capacity "
@@ -798,6 +815,7 @@ class Coordinator:
         if self._parked is not None and now - self._parked.since >= self.stall_warning:
             self._unpark()  # the inspector reads the general path's pending tensors
         missing: dict[int, list[str]] = collections.defaultdict(list)
+        waits: dict[int, list[str]] = collections.defaultdict(list)  # stalled tensors each rank did submit
         overdue: set[int] = set()
         for state in self.sets.values():
             for name, pending in state.pending.items():
@@ -805,7 +823,9 @@ class Coordinator:
                 if waited < self.stall_warning:
                     continue
                 for r in state.ranks:
-                    if r not in pending.requests and r not in self.joined:
+                    if r in pending.requests:
+                        waits[r].append(name)
+                    elif r not in self.joined:
                         missing[r].append(name)
                         if self.stall_warning <= self.stall_shutdown <= waited:
                             overdue.add(r)
@@ -826,6 +846,8 @@ class Coordinator:
             lines.append(f'One or more rank (marked by "!") is stalled for longer than '
                          f"{int(self.stall_shutdown)} seconds. Will shutdown.")
             log.error("\n".join(lines))
+            if all(r in waits for r in overdue):
+                return mismatched_collectives(self.stall_shutdown, {r: (missing[r], waits[r]) for r in overdue})
             detail = "; ".join(f"rank {r} never submitted {missing[r][:6]}" for r in sorted(overdue))
             return f"stall deadline of {int(self.stall_shutdown)} s passed: {detail}"
         log.warning("\n".join(lines))

@@ -26,7 +26,7 @@ import numpy as np
 
 from horovod.base.config import EnvVarError, RuntimeConfig, explicit_knobs
 from horovod.base.cores import Spin, may_spin
-from horovod.base.exceptions import SHUT_DOWN_MESSAGE, ShutdownError, WireError
+from horovod.base.exceptions import SHUT_DOWN_MESSAGE, HorovodInternalError, WireError, shutdown_error
 from horovod.runtime.autotune import ParameterManager, Params
 from horovod.runtime.coordinator import Coordinator, collective_failure
 from horovod.runtime.executor import CollectiveFailure, Executor
@@ -301,7 +301,7 @@ class Engine:
             raise RuntimeError(f"Horovod operations cannot run in a process forked from a Horovod rank (this "
                                f"process was forked from rank {self.rank}, pid {self._forked_from}, e.g. a "
                                f"DataLoader worker): run the collective in the rank itself")
-        raise ShutdownError(self._shutdown_message())
+        raise self._shutdown_error()
 
     def shutdown(self, reason: str | None = None, timeout: float = 30.0) -> None:
         """Ask the job to shut down and wait for this engine's thread to finish."""
@@ -325,6 +325,12 @@ class Engine:
         """A copy of every registered process set's ranks, by id (taken under the engine's lock)."""
         with self._sets_lock:
             return {k: list(v) for k, v in self.process_sets.items()}
+
+    def _shutdown_error(self) -> HorovodInternalError:
+        """What operations fail with once the job shut down: ``ShutdownError`` with the cause, or
+        ``PreconditionError`` when the cause is mismatched collectives (a program error, see
+        ``coordinator.mismatched_collectives``)."""
+        return shutdown_error(self._shutdown_message(), self._stop_reason)
 
     def _shutdown_message(self) -> str:
         reason = self._stop_reason
@@ -1087,7 +1093,7 @@ class Engine:
 
     def _fail_failed_entries(self) -> None:
         if self._failed_entries:
-            error = ShutdownError(self._shutdown_message())
+            error = self._shutdown_error()
             for entry in self._failed_entries:
                 entry.handle.set_error(error)
             self._failed_entries = []
@@ -1110,7 +1116,7 @@ class Engine:
         return comm
 
     def _fail_pending(self) -> None:
-        error = ShutdownError(self._shutdown_message())
+        error = self._shutdown_error()
         for entry in self.queue.pop_all():
             entry.handle.set_error(error)
 

@@ -15,6 +15,8 @@ from horovod.common.exceptions import SHUT_DOWN_MESSAGE, HorovodInternalError
 __all__ = ["run", "TensorFlowKerasState", "TensorFlowState"]
 
 _HOROVOD_OPS = ("HorovodAllreduce", "HorovodAllgather", "HorovodBroadcast", SHUT_DOWN_MESSAGE[:30])
+# how a PreconditionError of a collective inside tf.function reads in the UnknownError TensorFlow makes of it
+_MISMATCH = "\nFailedPreconditionError: "
 
 
 def _reset() -> None:
@@ -27,11 +29,16 @@ def _reset() -> None:
 @contextlib.contextmanager
 def _collective_failures() -> Iterator[None]:
     """A ``tf.errors.UnknownError`` from a Horovod op counts as a ``HorovodInternalError`` (the op failed
-    because a peer is gone): the elastic loop rolls back and resets instead of ending the worker."""
+    because a peer is gone): the elastic loop rolls back and resets instead of ending the worker.  Not one
+    that wraps a mismatch between the ranks (``FailedPreconditionError``, as eager mode raises it): the same
+    mismatch would follow every reset."""
     try:
         yield
     except tf.errors.UnknownError as e:
-        if any(op in str(e) for op in _HOROVOD_OPS):
+        text = str(e)
+        if _MISMATCH in text:  # a mismatch inside tf.function (numpy_function's UnknownError): not a fault
+            raise
+        if any(op in text for op in _HOROVOD_OPS):
             raise HorovodInternalError(e) from e
         raise
 

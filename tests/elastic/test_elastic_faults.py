@@ -144,6 +144,28 @@ def test_killed_during_mesh_formation(elastic_job, slot):
     job.assert_no_leftovers()
 
 
+@pytest.mark.parametrize("bug", ["commit_on_rank_0_only", "shape_mismatch"])
+def test_a_mismatch_between_the_ranks_ends_the_job_instead_of_resetting_forever(elastic_job, bug):
+    """A user's bug, not a fault: ``state.commit()`` on rank 0 only (its broadcast, which rank 1 never runs,
+    against rank 1's next allreduce), or an allreduce whose shape differs on one rank.  The stall deadline
+    (3 s here, 300 s by default) shut the job down with a recoverable error, or the shape mismatch raised one;
+    the elastic loop reset, rolled back, ran into the same mismatch and reset again, a generation per step.
+    Now both ranks raise ``PreconditionError`` naming the cause and the job ends in its first generation."""
+    env = {"TEST_COMMIT_ONLY_ON_RANK": "0"} if bug == "commit_on_rank_0_only" else {"TEST_MISMATCH_AT": "3"}
+    job = elastic_job(["localhost:2"], ["-np", "2", "--min-np", "2"], env=env)
+    assert job.wait(timeout=60) != 0
+    log = job.log_text()
+    expected = {"commit_on_rank_0_only": "PreconditionError: Mismatched collectives: the ranks submitted different "
+                                         "collectives and waited for each other for the stall deadline (3 s): rank 0 "
+                                         "never submitted ['grad'] and waits for ['broadcast_object.",
+                "shape_mismatch": "PreconditionError: Mismatched ALLREDUCE tensor shapes"}[bug]
+    for rank in (0, 1):
+        assert f"[{rank}]<stderr>:horovod.base.exceptions.{expected}" in log, job.output()
+    assert "rolling back to the last commit" not in log, job.output()
+    assert "generation 1" not in log, job.output()
+    job.assert_no_leftovers()
+
+
 def test_reset_limit(elastic_job):
     job = elastic_job(TWO_HOSTS, ARGS + ["--reset-limit", "0"])
     job.wait_steps(3, size=2)

@@ -18,7 +18,10 @@ TEST_DIE_IN_MESH=<slot> (SIGKILL itself in its first mesh formation, once: as it
 peer, which then waits for a connection that never comes, or as its peer's connection arrives, which then
 retries a listener that is gone),
 TEST_BUSY=<slot>:<global step>:<seconds> (after that step's commit the slot works that long without a collective,
-once, as a checkpoint or a validation pass does; it touches ``busy`` when it starts).
+once, as a checkpoint or a validation pass does; it touches ``busy`` when it starts),
+TEST_COMMIT_ONLY_ON_RANK=<rank> (a user's bug: only that rank calls ``state.commit()``, whose broadcast the others
+never run),
+TEST_MISMATCH_AT=<global step> (a user's bug: from that step on, the last rank's "grad" has another shape).
 """
 
 import json
@@ -45,6 +48,8 @@ SLOW_REMOVED_EXIT = float(os.environ.get("TEST_SLOW_REMOVED_EXIT", "0"))
 HOLD_UNTIL_SIZE = int(os.environ.get("TEST_HOLD_UNTIL_SIZE", "0"))
 SLOW_RESET = os.environ.get("TEST_SLOW_RESET", "")
 BUSY = os.environ.get("TEST_BUSY", "")
+COMMIT_ONLY_ON_RANK = int(os.environ.get("TEST_COMMIT_ONLY_ON_RANK", "-1"))
+MISMATCH_AT = int(os.environ.get("TEST_MISMATCH_AT", "-1"))
 
 
 def g(indices):
@@ -114,6 +119,17 @@ if DIE_IN_COMMIT:
     state.check_host_updates = check_host_updates
 
 
+def commit(state):
+    if COMMIT_ONLY_ON_RANK < 0 or hvd.rank() == COMMIT_ONLY_ON_RANK:
+        state.commit()
+
+
+def contribution(batch):
+    if 0 <= MISMATCH_AT <= state.steps and hvd.rank() == hvd.size() - 1:
+        return np.append(g(batch), 0.0)
+    return g(batch)
+
+
 @elastic.run
 def train(state):
     if not state.sizes or state.sizes[-1] != hvd.size():
@@ -121,7 +137,7 @@ def train(state):
     while state.epoch < EPOCHS:
         state.sampler.set_epoch(state.epoch)
         for step, batch in enumerate(state.sampler):
-            grad = hvd.allreduce(g(batch), op=hvd.Sum, name="grad")
+            grad = hvd.allreduce(contribution(batch), op=hvd.Sum, name="grad")
             counts = hvd.allreduce(np.bincount(np.asarray(batch, np.int64), minlength=N), op=hvd.Sum,
                                    name="counts")
             state.w -= grad
@@ -129,7 +145,7 @@ def train(state):
             state.steps += 1
             state.sampler.record_batch(step, BS)
             time.sleep(0.5 if hvd.size() < HOLD_UNTIL_SIZE else SLEEP)
-            state.commit()
+            commit(state)
             if hvd.rank() == 0:
                 write("progress", f"{state.epoch} {state.steps} {hvd.size()}")
             if BUSY and BUSY.split(":")[:2] == SLOT.split(":") and state.steps == int(BUSY.split(":")[2]) \
@@ -137,7 +153,7 @@ def train(state):
                 open(os.path.join(OUT, "busy"), "w").close()
                 time.sleep(float(BUSY.split(":")[3]))
         state.epoch += 1
-        state.commit()
+        commit(state)
 
 
 train(state)

@@ -454,6 +454,36 @@ def test_stall_shutdown_names_missing_ranks_and_tensors(caplog):
                                    "Will shutdown.")
 
 
+def test_stall_of_ranks_that_each_wait_for_a_collective_the_others_never_submitted_is_a_mismatch():
+    """Rank 0 in a broadcast only it runs (an elastic ``state.commit()`` under ``if hvd.rank() == 0``), rank 1
+    in the next step's allreduce: neither is slow or hung, each waits for the other.  The shutdown reason says
+    so (mismatched collectives: a program error, PreconditionError on every rank, no elastic reset)."""
+    c = make(size=2, stall_warning=60.0, stall_shutdown=120.0)
+    c.submit(0, 0, None, [bc("broadcast_object.noname.2.sz")], [])
+    c.submit(1, 0, None, [ar("grad")], [])
+    reason = c.check_stalls(now=time.monotonic() + 200)
+    assert reason == (
+        "Mismatched collectives: the ranks submitted different collectives and waited for each other for the "
+        "stall deadline (120 s): rank 0 never submitted ['grad'] and waits for ['broadcast_object.noname.2.sz']; "
+        "rank 1 never submitted ['broadcast_object.noname.2.sz'] and waits for ['grad']. Every rank must submit "
+        "the same collectives (a collective, or a call that runs one such as an elastic state.commit(), on some "
+        "ranks only -- e.g. under `if hvd.rank() == 0:` -- waits forever); this is an error in the program, which "
+        "an elastic reset cannot cure.")
+
+
+def test_stall_with_a_rank_that_submitted_nothing_stays_a_plain_stall():
+    """A rank that waits for nothing (hung, or busy for longer than the deadline) may be a fault: the reason
+    stays the recoverable stall's, also when two other ranks disagree meanwhile."""
+    c = make(size=3, stall_warning=60.0, stall_shutdown=120.0)
+    c.submit(0, 0, None, [ar("x")], [])
+    c.submit(1, 0, None, [ar("y")], [])
+    reason = c.check_stalls(now=time.monotonic() + 200)
+    assert reason is not None and reason.startswith("stall deadline of 120 s passed: rank 0 never submitted"), reason
+    c = make(size=2, stall_warning=60.0, stall_shutdown=120.0)
+    c.submit(0, 0, None, [ar("x")], [])
+    assert c.check_stalls(now=time.monotonic() + 200) == "stall deadline of 120 s passed: rank 1 never submitted ['x']"
+
+
 def test_stall_ignores_joined_ranks_and_complete_tensors():
     c = make(size=3, stall_warning=60.0, stall_shutdown=61.0)
     c.submit(2, 0, None, [join_req()], [])

@@ -194,8 +194,8 @@ class _Reduction:
                 p.grad.copy_(out)
 
 
-# DistributedOptimizers made so far in this process, per process set: the next one's ordinal names its
-# parameter check (see _DistributedOptimizer._check_parameters)
+# DistributedOptimizers made so far in this process, per init() and process set: the next one's ordinal names
+# its parameter check (see _DistributedOptimizer._check_parameters)
 _optimizers_made: collections.Counter = collections.Counter()
 
 
@@ -206,8 +206,14 @@ def _next_ordinal(process_set: ProcessSet) -> int:
     makes from it (its parameter check, ``parameters_of.optimizer.<k>``; its groups, ``optimizer.<k>.group.<i>``)
     are the same on every rank and another optimizer's (a GAN's) never.  A name taken from the parameters (the
     first one's, before) differed exactly when the check had something to report, and the ranks' checks
-    never met: a stall instead of the error."""
-    key = process_set.process_set_id if process_set.process_set_id is not None else tuple(process_set.ranks or ())
+    never met: a stall instead of the error.
+
+    Counted since this process's latest ``init()``: an elastic worker that joins a running job makes its
+    optimizers in its first generation, the survivors may have made theirs (again) after the reset; counted
+    over the process's life, a survivor that re-creates its optimizer at each reset named its check after the
+    number of resets it had seen, and no newcomer's check met it."""
+    ranks = process_set.process_set_id if process_set.process_set_id is not None else tuple(process_set.ranks or ())
+    key = (basics.generation(), ranks)
     k = _optimizers_made[key]
     _optimizers_made[key] += 1
     return k

@@ -238,3 +238,21 @@ def test_sparse_allreduce_warns_nothing():
                          timeout=120)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "Sparse invariant checks" not in run.stderr
+
+
+def test_optimizer_check_names_count_from_the_latest_init():
+    """An optimizer's parameter check is named after its creation ordinal since the process's latest init():
+    an elastic survivor that re-creates its optimizer after a reset (a new init) names its check as a newcomer
+    making its first optimizer does; counted over the process's life, it was 1 against the newcomer's 0 and
+    the two checks never met."""
+    def make():
+        model = nn.Linear(3, 2)
+        return hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                        named_parameters=model.named_parameters())
+
+    first, second = make(), make()
+    assert (first._parameters_check_name, second._parameters_check_name) == \
+        ("parameters_of.optimizer.0", "parameters_of.optimizer.1")  # a GAN's two optimizers: their own names
+    hvd.shutdown()
+    hvd.init()
+    assert make()._parameters_check_name == "parameters_of.optimizer.0"

@@ -167,15 +167,16 @@ class _Reduction:
     optimizers such as ``SparseAdam`` require.
     """
 
-    __slots__ = ("params", "tensors", "ctxs", "handle", "compression", "sparse_dims", "done")
+    __slots__ = ("params", "tensors", "ctxs", "handle", "compression", "sparse_dims", "frozen", "done")
 
-    def __init__(self, params, tensors, ctxs, handle, compression, sparse_dims=None) -> None:
+    def __init__(self, params, tensors, ctxs, handle, compression, sparse_dims=None, frozen=()) -> None:
         self.params = params
         self.tensors = tensors
         self.ctxs = ctxs
         self.handle = handle
         self.compression = compression
         self.sparse_dims = sparse_dims or [None] * len(params)
+        self.frozen = frozen  # members sent as zeros for the group's sake, their gradients left alone
         self.done = False
 
     def finish(self) -> None:
@@ -187,6 +188,8 @@ class _Reduction:
             return
         synchronize(self.handle)
         for p, t, ctx, sparse_dim in zip(self.params, self.tensors, self.ctxs, self.sparse_dims):
+            if p in self.frozen:
+                continue
             out = self.compression.decompress(t, ctx)
             if sparse_dim is not None:
                 p.grad = out.to_sparse(sparse_dim)
@@ -271,6 +274,7 @@ class _DistributedOptimizer:
         # the check's reduction while it is in flight
         self._parameters_checked_in = (0, 0)
         self._parameters_check: Any = None
+        self._trainable_checked: tuple = ()  # which of _requires_update required a gradient at the last check
         self._ordinal = _next_ordinal(process_set)
         self._parameters_check_name = f"parameters_of.optimizer.{self._ordinal}"
         self._parameters_looked_at = False  # this step (one look per step: the hooks are the hot path)
@@ -455,7 +459,7 @@ class _DistributedOptimizer:
             if not bucket.launched:
                 self._launch_bucket(bucket)
         for p in self._requires_update:
-            if p not in self._pending:
+            if p not in self._pending and p.requires_grad:
                 self._launch([p])
 
     def _fill(self, bucket: _Bucket, i: int) -> None:
@@ -507,6 +511,11 @@ class _DistributedOptimizer:
         for i in range(len(bucket.params)):
             if i not in bucket.filled:
                 p = bucket.params[i]
+                if not p.requires_grad:  # frozen since: zeros in its slot, its gradient left alone
+                    bucket.slots[i].zero_()
+                    bucket.filled.add(i)
+                    bucket.skipped.add(i)
+                    continue
                 if p.grad is None:
                     p.grad = self._no_grad(p)
                 bucket.filled.add(i)
@@ -526,7 +535,12 @@ class _DistributedOptimizer:
                 self._pending[p] = reduction
 
     def _launch(self, params: Sequence[torch.Tensor], group_id: int | None = None) -> None:
+        # a group's members frozen since it was made (requires_grad=False, no gradient this step): the group
+        # sends zeros for them, and their gradients stay as they are
+        frozen = {p for p in params if not p.requires_grad and p not in self._seen} if group_id is not None else ()
         for p in params:
+            if p in frozen:
+                continue
             if p.grad is None:  # no gradient on this rank (unused parameter): contribute zeros
                 p.grad = self._no_grad(p)
             elif p.grad.is_sparse:
@@ -541,6 +555,12 @@ class _DistributedOptimizer:
         else:
             tensors, ctxs, sparse_dims = [], [], []
             for p in params:
+                if p in frozen:
+                    compressed, ctx = self._compression.compress(torch.zeros_like(p))
+                    tensors.append(compressed)
+                    ctxs.append(ctx)
+                    sparse_dims.append(None)
+                    continue
                 grad = p.grad
                 sparse_dims.append(grad.sparse_dim() if grad.is_sparse else None)
                 if grad.is_sparse:  # sparse_as_dense (or in a group): reduce densely, hand back sparse
@@ -561,13 +581,16 @@ class _DistributedOptimizer:
                 handle = grouped_allreduce_async_(tensors, name=f"optimizer.{self._ordinal}.group.{group_id}",
                                                   op=self.op, prescale_factor=prescale, postscale_factor=postscale,
                                                   process_set=self.process_set)
-            reduction = _Reduction(list(params), tensors, ctxs, handle, self._compression, sparse_dims)
+            reduction = _Reduction(list(params), tensors, ctxs, handle, self._compression, sparse_dims, frozen)
         for p in params:
             self._pending[p] = reduction
-            self._reduced_grads[p] = weakref.ref(p.grad)
+            if p not in frozen:
+                self._reduced_grads[p] = weakref.ref(p.grad)
 
     def _trainable_names(self) -> list[str]:
-        return [self._parameter_names[p] for p in self._requires_update]
+        """The parameters this step reduces: those that require a gradient now (a layer frozen after the
+        optimizer was made is left alone, as the wrapped optimizer leaves a parameter without a gradient)."""
+        return [self._parameter_names[p] for p in self._requires_update if p.requires_grad]
 
     def _check_parameters(self) -> None:
         """With a step's first reduction, once per participation epoch: sum every rank's digest of its trainable
@@ -579,6 +602,12 @@ class _DistributedOptimizer:
         if self._parameters_looked_at:
             return
         self._parameters_looked_at = True
+        # checked again when layers were frozen or unfrozen since: a rank that froze one the others did not
+        # would leave their reductions of it unmatched
+        trainable = tuple(p.requires_grad for p in self._requires_update)
+        if trainable != self._trainable_checked:
+            self._trainable_checked = trainable
+            self._parameters_checked_in = (0, 0)
         if self._parameters_check is not None or self._parameters_checked_in == basics.participation_epoch():
             return
         self._parameters_check = allreduce_async_(torch.from_numpy(parameter_moments(self._trainable_names())),

@@ -4,6 +4,7 @@ Equivalence: each rank trains on its 1/size share of a batch; the single-process
 every rank inside the test, trains on the whole batch.  The weights must agree.
 """
 
+import contextlib
 import copy
 import warnings
 
@@ -94,6 +95,47 @@ def test_a_layer_unfrozen_after_wrapping_is_averaged():
         opt.step()
     assert not torch.equal(model[0].weight, make_model()[0].weight)  # it did train
     assert_same(ref, model)
+
+
+@pytest.mark.parametrize("how", ["buckets", "groups", "fp16", "synchronize"])
+def test_a_layer_frozen_during_training_stays_frozen(how):
+    """Every rank freezes a layer after two steps (``requires_grad_(False)``) and unfreezes everything three
+    steps later.  The frozen layer got zero gradients, which the wrapped SGD's momentum and weight decay (Adam
+    alike) kept applying: the "frozen" layer moved on, and the ranks' models left the single-process one.  A
+    parameter that requires no gradient now is left alone, as the wrapped optimizer leaves a parameter without
+    a gradient.  Reference: one process, whole batches, clipped as the upstream pattern clips."""
+    data = batch(7, ROWS * SIZE)
+    ref, model = make_model(), make_model()
+    kwargs = {"buckets": {}, "groups": {"groups": [[model[0].weight, model[2].bias], [model[2].weight]]},
+              "fp16": {"compression": hvd.Compression.fp16}, "synchronize": {}}[how]
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01),
+                                   named_parameters=model.named_parameters(), **kwargs)
+    for step, (x, y) in enumerate(data):
+        for m in (ref, model):
+            if step == 2:
+                m[0].requires_grad_(False)
+            if step == 3:
+                m[2].bias.requires_grad_(False)
+            if step == 5:
+                m.requires_grad_(True)
+        if step == 2:
+            frozen = model[0].weight.detach().clone()
+        ref_opt.zero_grad()
+        F.mse_loss(ref(x), y).backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+        ref_opt.step()
+        opt.zero_grad()
+        F.mse_loss(model(my_rows(x, 1, 0)), my_rows(y, 1, 0)).backward()
+        if how == "synchronize":
+            opt.synchronize()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        with opt.skip_synchronize() if how == "synchronize" else contextlib.nullcontext():
+            opt.step()
+        if step in (2, 3, 4):
+            assert model[0].weight.grad is None and torch.equal(model[0].weight, frozen)
+    assert not torch.equal(model[0].weight, frozen)  # trained again once unfrozen
+    assert_same(ref, model, atol=2e-3 if how == "fp16" else 1e-6)
 
 
 def _gan(seed: int):

@@ -67,6 +67,8 @@ class _DistributedAdasumOptimizer(_DistributedOptimizer):
         if not self._active:
             self._optimizer.step()
             return loss
+        if self._frozen:  # unfrozen since they were registered: their deltas are reduced from this step on
+            self._adopt_unfrozen()
         params = self._requires_update
         starts = [self._starts[p] for p in params]
         try:

@@ -8,6 +8,7 @@ import contextlib
 import copy
 import warnings
 
+import numpy as np
 import pytest
 import torch
 import torch.nn as nn
@@ -500,6 +501,48 @@ def test_adasum_combines_the_deltas_of_each_ranks_own_step(compression):
     with pytest.raises(AssertionError, match="Gradients were computed more than backward_passes_per_step"):
         F.mse_loss(model(data[0][RANK][0]), data[0][RANK][1]).backward()
     opt.zero_grad()  # forgets the passes: a step after it trains normally
+
+
+def test_adasum_a_layer_unfrozen_after_wrapping_is_combined():
+    """op=Adasum and fine-tuning: the first layer is frozen when the optimizer is made and unfrozen after one
+    step.  Each rank's optimizer stepped it on its own gradient but its delta was never reduced: the ranks'
+    models silently drifted apart.  Reference: every rank's step replayed here, deltas combined with
+    upstream's test reference."""
+    if SIZE == 1:
+        pytest.skip("a single rank takes the plain optimizer's path")
+    data = [[(torch.randn(5, 6, generator=torch.Generator().manual_seed(100 * s + k)),
+              torch.randn(5, 3, generator=torch.Generator().manual_seed(999 + 100 * s + k))) for k in range(SIZE)]
+            for s in range(3)]
+    model = make_model()
+    model[0].requires_grad_(False)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters(), op=hvd.Adasum)
+    start = [p.detach().clone().double() for p in model.parameters()]
+    replica = make_model()
+    for s, step in enumerate(data):
+        if s == 1:
+            model[0].requires_grad_(True)
+        replica[0].requires_grad_(s >= 1)
+        x, y = step[RANK]
+        opt.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        deltas = []
+        for k in range(SIZE):
+            with torch.no_grad():
+                for p, s0 in zip(replica.parameters(), start):
+                    p.copy_(s0)
+            replica.zero_grad()
+            F.mse_loss(replica(step[k][0]), step[k][1]).backward()
+            with torch.no_grad():
+                deltas.append([(-0.1 * p.grad.double()).numpy() if p.grad is not None else np.zeros(p.shape)
+                               for p in replica.parameters()])
+        start = [s0 + torch.from_numpy(adasum_expected([d[i] for d in deltas])) for i, s0 in enumerate(start)]
+    assert not torch.equal(model[0].weight, make_model()[0].weight)  # it did train
+    for p, s0 in zip(model.parameters(), start):
+        torch.testing.assert_close(p.detach().double(), s0, rtol=1e-5, atol=1e-5)
+    weights = hvd.allgather(torch.cat([p.detach().reshape(-1) for p in model.parameters()]).unsqueeze(0))
+    assert all(torch.equal(weights[0], w) for w in weights)
 
 
 def test_too_many_backward_passes_and_zero_grad():

@@ -37,11 +37,12 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import tensorflow as tf
 
+from horovod.common import basics as _basics
 from horovod.common.basics import NOT_INITIALIZED
 from horovod.common.exceptions import AbortedError, HorovodInternalError, PreconditionError, ShutdownError
 from horovod.tensorflow import _session_bridge
 
-__all__ = ["Wait", "run_collective", "to_tf_error", "writable_inputs_ok"]
+__all__ = ["Wait", "refuse_before_init_when_traced", "run_collective", "to_tf_error", "writable_inputs_ok"]
 
 log = logging.getLogger(__name__)
 
@@ -225,6 +226,17 @@ def _queue_path() -> bool:
     return tf.compat.v1.executing_eagerly_outside_functions()
 
 
+def refuse_before_init_when_traced() -> None:
+    """Inside ``tf.function``, a collective traced before ``hvd.init()`` raises upstream's
+    ``FailedPreconditionError`` ('Horovod has not been initialized; use hvd.init().') right away.  Upstream's
+    kernels check initialisation first and fail with that class when the function runs; ours would fail in the
+    submit op, where TensorFlow turns the error of a ``numpy_function`` into ``InvalidArgumentError``, and no
+    op we can build keeps the class.  TF1 graphs may still be built before ``hvd.init()`` (the wrapped
+    ``Session.run`` gives a run before it upstream's class)."""
+    if _queue_path() and not _basics.is_initialized():
+        raise tf.errors.FailedPreconditionError(None, None, NOT_INITIALIZED)
+
+
 @_plain
 def run_collective(submit: Submit, inputs: Sequence[tf.Tensor], out_dtypes: Sequence[tf.DType],
                    name: str = "Horovod", owned: Sequence[tf.Tensor] = ()) -> list[tf.Tensor]:
@@ -246,6 +258,7 @@ def run_collective(submit: Submit, inputs: Sequence[tf.Tensor], out_dtypes: Sequ
         return [tf.convert_to_tensor(np.asarray(o, dtype=d)) for o, d in zip(outs, np_dtypes)]
 
     refuse_xla(name)
+    refuse_before_init_when_traced()
     if _queue_path():
         return _receive_in_function(submit, inputs, out_dtypes, np_dtypes, name, owned)
     return _receive_in_session(submit, inputs, out_dtypes, np_dtypes, name)

@@ -710,9 +710,18 @@ def barrier(process_set: ProcessSet = global_process_set):
 
 # ---------------------------------------------------------------------------------------------- graph-time ints
 def _int_op(fn, name: str | None) -> tf.Tensor:
+    """Before ``hvd.init()``: upstream's ``FailedPreconditionError``, eagerly and when traced in ``tf.function``
+    (upstream's kernels check initialisation first), not ``ValueError``/``InvalidArgumentError``."""
     if tf.executing_eagerly():
-        return tf.constant(fn(), dtype=tf.int32)
+        try:
+            value = fn()
+        except ValueError as e:
+            if str(e) == _basics_mod.NOT_INITIALIZED:
+                raise tf.errors.FailedPreconditionError(None, None, str(e)) from e
+            raise
+        return tf.constant(value, dtype=tf.int32)
     _bridge.refuse_xla(name or "HorovodRank")
+    _bridge.refuse_before_init_when_traced()
     out = tf.numpy_function(lambda: np.int32(fn()), [], tf.int32, stateful=True, name=name)
     out.set_shape([])
     return out

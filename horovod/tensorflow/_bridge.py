@@ -37,12 +37,14 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import tensorflow as tf
 
+from horovod.base.dtypes import dtype_code
 from horovod.common import basics as _basics
 from horovod.common.basics import NOT_INITIALIZED
 from horovod.common.exceptions import AbortedError, HorovodInternalError, PreconditionError, ShutdownError
 from horovod.tensorflow import _session_bridge
 
-__all__ = ["Wait", "refuse_before_init_when_traced", "run_collective", "to_tf_error", "writable_inputs_ok"]
+__all__ = ["Wait", "refuse_before_init_when_traced", "refuse_dtypes", "run_collective", "to_tf_error",
+           "writable_inputs_ok"]
 
 log = logging.getLogger(__name__)
 
@@ -226,6 +228,30 @@ def _queue_path() -> bool:
     return tf.compat.v1.executing_eagerly_outside_functions()
 
 
+_CARRIED = (tf.uint8, tf.int8, tf.uint16, tf.int16, tf.int32, tf.int64, tf.float16, tf.float32, tf.float64, tf.bool,
+            tf.bfloat16)
+_carried_ok: dict = {}
+
+
+def refuse_dtypes(tensors: Sequence[tf.Tensor]) -> None:
+    """A tensor whose dtype the engine does not carry (string, complex, uint32, ...) is a ``TypeError`` when the
+    op is built, eagerly or traced, as upstream's ops' type constraints raise it; the engine's ``ValueError``
+    came as ``InvalidArgumentError`` (inside ``tf.function`` only when the function ran)."""
+    for t in tensors:
+        dtype = t.dtype if isinstance(t.dtype, tf.DType) else tf.as_dtype(t.dtype)  # (a Keras variable's: a str)
+        ok = _carried_ok.get(dtype)
+        if ok is None:
+            try:
+                dtype_code(np.dtype(dtype.as_numpy_dtype))
+                ok = True
+            except (TypeError, ValueError):
+                ok = False
+            _carried_ok[dtype] = ok
+        if not ok:
+            raise TypeError(f"Value passed to parameter 'tensor' has DataType {dtype.name} not in list of allowed "
+                            f"values: {', '.join(d.name for d in _CARRIED)}")
+
+
 def refuse_before_init_when_traced() -> None:
     """Inside ``tf.function``, a collective traced before ``hvd.init()`` raises upstream's
     ``FailedPreconditionError`` ('Horovod has not been initialized; use hvd.init().') right away.  Upstream's
@@ -246,6 +272,7 @@ def run_collective(submit: Submit, inputs: Sequence[tf.Tensor], out_dtypes: Sequ
     results that ``submit`` writes itself; they follow the inputs in its arguments as writable views, and
     come back after the outputs once the collective is done.  ``finish`` must drop its views before it
     returns, so that TensorFlow's next op may update the tensors in place."""
+    refuse_dtypes(inputs)
     np_dtypes = [d.as_numpy_dtype for d in out_dtypes]
     submit = _plain(submit)
     if owned and (tf.executing_eagerly() or not _queue_path()):

@@ -14,7 +14,7 @@ import tensorflow as tf
 from horovod.common import objects as _objects
 from horovod.common import ops as _ops
 from horovod.common.process_sets import ProcessSet, global_process_set
-from horovod.tensorflow._bridge import Wait, run_collective, to_tf_error
+from horovod.tensorflow._bridge import Wait, refuse_dtypes, run_collective, to_tf_error
 from horovod.tensorflow.mpi_ops import _core_name, _normalize_name
 
 __all__ = ["broadcast_variables", "broadcast_object", "broadcast_object_fn", "allgather_object"]
@@ -32,6 +32,7 @@ def broadcast_variables(variables, root_rank: int, process_set: ProcessSet = glo
     the group op of the assignments.
     """
     variables = list(variables)
+    refuse_dtypes(variables)
     names = _var_names(variables)
     if tf.executing_eagerly():
         try:

@@ -796,3 +796,35 @@ def test_bad_arguments_are_invalid_argument():
             tf.function(lambda: hvd.broadcast(tf.ones([1]), root_rank=root))()  # noqa: B023 - called at once
     with pytest.raises(NotImplementedError):
         hvd.allreduce(tf.IndexedSlices(tf.ones([1, 1]), tf.constant([0])), op=hvd.Max)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_dtype_the_engine_cannot_carry_is_a_type_error_when_built(mode):
+    """string, complex, uint32 tensors: upstream's ops refuse them by their type constraints, a ``TypeError``
+    when the op is built (eagerly, traced, in a TF1 graph).  Ours reached the engine and failed with
+    ``InvalidArgumentError`` ('Tensor type object is not supported.'), inside ``tf.function`` only when the
+    function ran.  Every rank fails alike before any negotiation, so nothing waits."""
+    calls = {
+        "allreduce": lambda x: hvd.allreduce(x, op=hvd.Sum),
+        "grouped_allreduce": lambda x: hvd.grouped_allreduce([x, x], op=hvd.Sum),
+        "allgather": lambda x: hvd.allgather(x),
+        "broadcast": lambda x: hvd.broadcast(x, 0),
+        "alltoall": lambda x: hvd.alltoall(x),
+        "reducescatter": lambda x: hvd.reducescatter(x, op=hvd.Sum),
+    }
+    n = hvd.size()
+    for value in (np.array([b"a"] * n, dtype=object), np.ones(n, np.complex64), np.ones(n, np.uint32)):
+        dtype = tf.constant(value).dtype
+        for fn in calls.values():
+            with pytest.raises(TypeError, match=f"DataType {dtype.name} not in list of allowed values"):
+                if mode == "graph":
+                    with tf.Graph().as_default():
+                        fn(tf.compat.v1.placeholder(dtype, value.shape))
+                elif mode == "function":
+                    tf.function(fn)(tf.constant(value))
+                else:
+                    fn(tf.constant(value))
+            if mode == "eager":  # the variables' broadcast too
+                with pytest.raises(TypeError, match=f"DataType {dtype.name} not in list"):
+                    hvd.broadcast_variables([tf.Variable(value)], root_rank=0)
+    hvd.allreduce(tf.ones([1]), name=f"after_bad_dtypes_{mode}")  # the engine is fine

@@ -93,6 +93,10 @@ class GradientReducer:
         variables = list(variables) if variables is not None else [None] * len(grads)
         if self.sparse_as_dense:
             grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads]
+        if not _basics.is_initialized():
+            # upstream reduces through size_op/process_set_included_op kernels, which fail with the collectives'
+            # class (not the ValueError that asking the process set gives)
+            raise tf.errors.FailedPreconditionError(None, None, _basics.NOT_INITIALIZED)
         # a step traced in an elastic job reduces at any size: it may run again after the job grows
         if not self.process_set.included() or (self._set_size() <= 1 and not size_read_at_run_time()):
             return grads

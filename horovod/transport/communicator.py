@@ -34,14 +34,23 @@ def apply_reduce(op: ReduceOp, acc: np.ndarray, other: np.ndarray) -> None:
 
     ``op`` is an element-wise op (SUM, MIN, MAX, PRODUCT); the runtime turns Average into Sum with
     :func:`horovod.base.reduce_ops.data_plane_op`."""
-    table = _BOOL_UFUNCS if acc.dtype == np.bool_ else _UFUNCS
-    table[op](acc, other, out=acc)
+    reduce_into(op, acc, other, acc)
 
 
 def reduce_into(op: ReduceOp, a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
-    """``out = a <op> b`` without first copying ``a`` into ``out`` (``out`` may be ``a`` or ``b``)."""
-    table = _BOOL_UFUNCS if a.dtype == np.bool_ else _UFUNCS
-    table[op](a, b, out=out)
+    """``out = a <op> b`` without first copying ``a`` into ``out`` (``out`` may be ``a`` or ``b``).
+
+    Floats overflow to inf and make nan (inf + -inf) in silence, as upstream's C++ loops: a mixed-precision
+    step's non-finite gradients are expected (the loss scaler skips the step), and numpy's RuntimeWarnings
+    ('invalid value encountered in add') came out of the transports."""
+    kind = a.dtype.kind
+    if kind in "iu":
+        _UFUNCS[op](a, b, out=out)
+    elif kind == "b":
+        _BOOL_UFUNCS[op](a, b, out=out)
+    else:
+        with np.errstate(all="ignore"):
+            _UFUNCS[op](a, b, out=out)
 
 
 class PeerFailure(ConnectionError):

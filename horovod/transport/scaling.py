@@ -26,7 +26,8 @@ def scale_inplace(buf: np.ndarray, factor: float) -> None:
     """``buf *= factor`` following the dtype rules above; no-op for 1.0 and for bool."""
     if factor == 1.0 or buf.dtype == np.bool_ or buf.size == 0:
         return
-    np.multiply(buf, _factor_for(buf.dtype, factor), out=buf, casting="unsafe")
+    with np.errstate(all="ignore"):  # (float overflow is inf, silently: see communicator.reduce_into)
+        np.multiply(buf, _factor_for(buf.dtype, factor), out=buf, casting="unsafe")
 
 
 def scaled_copy(src: np.ndarray, factor: float, out: np.ndarray) -> None:
@@ -34,4 +35,5 @@ def scaled_copy(src: np.ndarray, factor: float, out: np.ndarray) -> None:
     if factor == 1.0 or src.dtype == np.bool_:
         np.copyto(out, src)
         return
-    np.multiply(src, _factor_for(src.dtype, factor), out=out, casting="unsafe")
+    with np.errstate(all="ignore"):
+        np.multiply(src, _factor_for(src.dtype, factor), out=out, casting="unsafe")

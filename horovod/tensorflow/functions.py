@@ -15,13 +15,18 @@ from horovod.common import objects as _objects
 from horovod.common import ops as _ops
 from horovod.common.process_sets import ProcessSet, global_process_set
 from horovod.tensorflow._bridge import Wait, refuse_dtypes, run_collective, to_tf_error
-from horovod.tensorflow.mpi_ops import _core_name, _normalize_name
+from horovod.tensorflow.mpi_ops import _core_name
 
 __all__ = ["broadcast_variables", "broadcast_object", "broadcast_object_fn", "allgather_object"]
 
 
 def _var_names(variables) -> list[str]:
-    return [f"HorovodBroadcast_{i}_{_normalize_name(getattr(v, 'name', 'var'))}" for i, v in enumerate(variables)]
+    """The broadcasts' names: the variables' positions only.  Their names are not the same on every rank where
+    the ranks made their models differently: Keras names an optimizer's slots after its model's variable paths
+    (``sequential_dense_kernel_momentum``), which depend on how many layers this process made before and
+    differ between a model ``hvd.load_model`` rebuilt on rank 0 and a fresh one on the others (upstream's
+    resume-from-checkpoint examples), and broadcasts named after them never paired up: every rank waited."""
+    return [f"HorovodBroadcast_{i}" for i in range(len(variables))]
 
 
 def broadcast_variables(variables, root_rank: int, process_set: ProcessSet = global_process_set,

@@ -481,6 +481,47 @@ def test_distributed_model_save_reload(tmp_path_factory):
     assert callable(loaded.optimizer.variables) and len(loaded.optimizer.variables()) > 0
 
 
+def test_resume_from_a_checkpoint_loaded_on_rank_zero_only(tmp_path_factory):
+    """Upstream's resume pattern (keras_imagenet_resnet50.py): rank 0 ``hvd.load_model``s the checkpoint, the
+    others build and compile a fresh model, and ``BroadcastGlobalVariablesCallback(0)`` hands rank 0's weights
+    and optimizer state to them.  Keras names the optimizer's slots after the model's variable paths, which
+    differ between the rebuilt model and the fresh ones; the broadcasts were named after them, never paired
+    up, and every rank waited for ever.  The names are checked first (before the fix the test fails there
+    instead of hanging), then the state every rank gets against rank 0's, then a synchronous epoch."""
+    from horovod.tensorflow.functions import _var_names
+
+    def compiled(seed):
+        model = make_model(seed)
+        model.compile(optimizer=hvdk.DistributedOptimizer(keras.optimizers.SGD(0.05, momentum=0.9)), loss="mse")
+        return model
+
+    x, y = problem()
+    r = hvd.rank()
+    if r == 0:
+        trained = make_model(3)  # trained by rank 0 alone: a plain optimizer (a distributed one would wait)
+        trained.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9), loss="mse")
+        trained.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
+        path = tmp_path_factory.mktemp("resume") / "checkpoint.keras"
+        trained.save(path)
+        resumed = hvdk.load_model(path)
+    else:
+        resumed = compiled(11)
+        resumed.optimizer.build(resumed.trainable_variables)  # (what the callback does for an unbuilt one)
+    variables = resumed.variables + resumed.optimizer.variables
+    names = hvd.allgather_object(_var_names(variables))
+    assert all(n == names[0] for n in names), names
+    root_state = hvd.broadcast_object([v.numpy() for v in variables], root_rank=0)
+
+    callback = hvdk.callbacks.BroadcastGlobalVariablesCallback(0)
+    callback.set_model(resumed)
+    callback.on_train_begin()
+    for v, want in zip(variables, root_state):
+        np.testing.assert_array_equal(v.numpy(), want, err_msg=v.path)
+    assert int(resumed.optimizer.iterations.numpy()) == len(x) // BATCH
+    resumed.fit(x[r::hvd.size()], y[r::hvd.size()], batch_size=BATCH, epochs=1, verbose=0, shuffle=False)
+    assert_same_on_all_ranks(resumed.get_weights() + [v.numpy() for v in resumed.optimizer.variables])
+
+
 def test_lr_schedule_and_warmup_arithmetic():
     n = hvd.size()
     model = make_model()

@@ -284,9 +284,26 @@ def create_distributed_optimizer(keras, optimizer, name: str | None = None, devi
                              " not both.")
         accumulating["gradient_accumulation_steps"] = backward_passes_per_step
     new = _distributed_class(base).from_config(config)
+    _carry_unconfigured_state(optimizer, new)
     object.__setattr__(new, "_hvd_reducer", reducer)
     object.__setattr__(new, "_hvd_sum_accumulated", backward_passes_per_step > 1 and not average_aggregated_gradients)
     return new
+
+
+_UNCONFIGURED = ("_exclude_from_weight_decay", "_exclude_from_weight_decay_pattern")
+"""What ``exclude_from_weight_decay()`` sets: Keras keeps it out of ``get_config()``."""
+
+
+def _carry_unconfigured_state(src, dst) -> None:
+    """Give ``dst`` (rebuilt from ``src``'s config) what ``src``'s config leaves out, the weight-decay
+    exclusions, also those of an inner optimizer (``LossScaleOptimizer``): dropped, they let AdamW decay the
+    biases and norms the user excluded, without a word."""
+    for attr in _UNCONFIGURED:
+        if attr in vars(src):
+            object.__setattr__(dst, attr, getattr(src, attr))
+    inner_src, inner_dst = getattr(src, "inner_optimizer", None), getattr(dst, "inner_optimizer", None)
+    if inner_src is not None and inner_dst is not None:
+        _carry_unconfigured_state(inner_src, inner_dst)
 
 
 def make_distributed_inplace(optimizer, **kwargs) -> Any:

@@ -34,7 +34,7 @@ import ray
 
 from horovod.ray.worker import BaseHorovodWorker
 
-__all__ = ["RayExecutor", "MiniSettings", "WorkerDiedError"]
+__all__ = ["RayExecutor", "MiniSettings", "WorkerDiedError", "Coordinator"]
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +76,86 @@ class MiniSettings:
         return Timeout(self.timeout_s, message="Timed out waiting for {activity}. Please check connectivity "
                        "between servers. You may need to increase the --start-timeout parameter if you have "
                        "too many servers.")
+
+
+class Coordinator:
+    """Upstream's ``horovod.ray.runner.Coordinator``: forms a job of Ray actors started by someone else.
+
+    Ray Train's ``HorovodTrainer`` (``ray.train.horovod.config``) imports it and drives it as upstream's::
+
+        coordinator = Coordinator(settings)
+        for rank, (hostname, node_id) in enumerate(zip(hostnames, node_ids)):
+            coordinator.register(hostname, node_id, rank)
+        per_rank = coordinator.finalize_registration()   # rank -> HOROVOD_LOCAL_*/HOROVOD_CROSS_*
+        common = coordinator.establish_rendezvous()       # every rank's rendezvous variables
+
+    Ranks are grouped by node in registration order (as :class:`RayExecutor`).  ``establish_rendezvous``
+    starts the authenticated store in this process with a fresh key, which the returned variables carry
+    (``HOROVOD_SECRET_KEY``: upstream's store had none), plus ``HOROVOD_START_TIMEOUT`` from
+    ``settings.timeout_s``; the store serves until :meth:`shutdown` or this process exits.
+    """
+
+    rendezvous: Any = None
+    global_rendezv_port: int | None = None
+    nics: Any = None
+
+    def __init__(self, settings: Any) -> None:
+        self.settings = settings
+        self.node_id_by_rank: dict[str, list[int]] = {}
+        self._hostnames: set[str] = set()
+
+    @property
+    def world_size(self) -> int:
+        return sum(len(ranks) for ranks in self.node_id_by_rank.values())
+
+    @property
+    def hostnames(self) -> set[str]:
+        return self._hostnames
+
+    @property
+    def node_id_string(self) -> str:
+        return ",".join(f"{node_id}:{len(ranks)}" for node_id, ranks in self.node_id_by_rank.items())
+
+    def register(self, hostname: str, node_id: str, world_rank: int) -> None:
+        self._hostnames.add(hostname)
+        self.node_id_by_rank.setdefault(node_id, []).append(world_rank)
+
+    def finalize_registration(self) -> dict[int, dict[str, int]]:
+        """Every registered rank's ``HOROVOD_CROSS_RANK``, ``_CROSS_SIZE``, ``_LOCAL_RANK``, ``_LOCAL_SIZE``."""
+        # Nodes in order of their first registration, a node's ranks in registration order (upstream's rule).
+        cross_sizes: dict[int, int] = {}
+        cross_ranks: dict[int, int] = {}
+        for ranks in self.node_id_by_rank.values():
+            for local_rank, rank in enumerate(ranks):
+                cross_ranks[rank] = cross_sizes.get(local_rank, 0)
+                cross_sizes[local_rank] = cross_ranks[rank] + 1
+        return {rank: {"HOROVOD_CROSS_RANK": cross_ranks[rank], "HOROVOD_CROSS_SIZE": cross_sizes[local_rank],
+                       "HOROVOD_LOCAL_RANK": local_rank, "HOROVOD_LOCAL_SIZE": len(ranks)}
+                for ranks in self.node_id_by_rank.values() for local_rank, rank in enumerate(ranks)}
+
+    def establish_rendezvous(self) -> dict[str, str]:
+        """Start the job's store on this node's address; the variables every rank needs to reach it."""
+        from horovod.base import auth
+        from horovod.base.config import format_number
+        from horovod.runner.rendezvous import RendezvousServer
+
+        self.shutdown()
+        key = auth.make_secret_key()
+        tls_env, job_tls = _tls()
+        addr = ray.util.get_node_ip_address()
+        self.rendezvous = RendezvousServer(key, addr=addr, tls=job_tls)
+        self.global_rendezv_port = self.rendezvous.start()
+        timeout = float(getattr(self.settings, "timeout_s", 300) or 300)
+        return {"HOROVOD_GLOO_RENDEZVOUS_ADDR": addr, "HOROVOD_GLOO_RENDEZVOUS_PORT": str(self.global_rendezv_port),
+                "HOROVOD_CONTROLLER": "gloo", "HOROVOD_CPU_OPERATIONS": "gloo",
+                "HOROVOD_START_TIMEOUT": format_number(timeout), auth.SECRET_KEY_ENV: key.hex(), **tls_env}
+
+    def shutdown(self) -> None:
+        """Stop the store (not upstream's: its HTTP server lived as long as the process)."""
+        if self.rendezvous is not None:
+            self.rendezvous.stop()
+            self.rendezvous = None
+            self.global_rendezv_port = None
 
 
 class RayExecutor:

@@ -24,6 +24,7 @@ pq = pytest.importorskip("pyarrow.parquet")
 from pyspark import cloudpickle as spark_cloudpickle  # noqa: E402
 
 from horovod.spark.common import data as data_mod  # noqa: E402
+from horovod.spark.common import serialization  # noqa: E402
 from horovod.spark.common.backend import Backend, SparkBackend  # noqa: E402
 from horovod.spark.common.estimator import HorovodEstimator, HorovodModel  # noqa: E402
 from horovod.spark.common.params import EstimatorParams  # noqa: E402
@@ -319,12 +320,68 @@ def test_fit_transform_output_types_and_save_load(frame, tmp_path):
     with pytest.raises(ValueError, match="already exist"):
         model.transform(renamed.select("x", "a"))
 
-    path = str(tmp_path / "saved" / "model.json")
-    model.save(path)
-    assert json.load(open(path))["class"] == "LinearModel"
+    path = str(tmp_path / "saved" / "model")
+    model.save(path)  # Spark ML's layout: <path>/metadata/part-00000, one JSON line
+    metadata = json.loads(open(os.path.join(path, "metadata", "part-00000")).read())
+    assert metadata["class"] == f"{__name__}.LinearModel" and metadata["uid"] == model.uid
     loaded = LinearModel.load(path)
     np.testing.assert_array_equal(loaded.getModel(), W)
     assert loaded.getOutputCols() == ["a", "b", "c", "d"] and loaded.getRunId() == "fake_run"
+    assert loaded.uid == model.uid
+
+
+def _assembled_pipeline(store):
+    from pyspark.ml import Pipeline
+    from pyspark.ml.feature import VectorAssembler
+
+    estimator = FakeEstimator(model=W, store=store, backend=RecordingBackend(), feature_cols=["x"],
+                              label_cols=["yv", "yd", "yi", "ya"], batch_size=7, run_id="piped")
+    return Pipeline(stages=[VectorAssembler(inputCols=["x0", "x1"], outputCol="x"), estimator])
+
+
+def test_pipeline_and_estimator_persistence(frame, tmp_path):
+    """Upstream's models and estimators are Spark ML MLWritable/MLReadable: a PipelineModel holding a Horovod
+    model saves and loads like any other (Spark's DefaultParamsReader finds the stage's class in
+    <path>/metadata), ``write().overwrite()`` replaces a saved path, and an estimator saves its parameters."""
+    from pyspark.ml import Pipeline, PipelineModel
+    from pyspark.sql import functions as F
+
+    store = LocalStore(str(tmp_path / "store"))
+    xs = frame.select(F.udf(lambda v: float(v[0]), "double")("x").alias("x0"),
+                      F.udf(lambda v: float(v[1]), "double")("x").alias("x1"), "yv", "yd", "yi", "ya")
+    fitted = _assembled_pipeline(store).fit(xs)
+    path = str(tmp_path / "pipeline_model")
+    fitted.write().overwrite().save(path)
+    loaded = PipelineModel.load(path)
+    assert type(loaded.stages[1]) is LinearModel and loaded.stages[1].uid == fitted.stages[1].uid
+    rows = loaded.transform(xs).collect()
+    assert len(rows) == 60
+    for row in rows:
+        x = np.array([row["x0"], row["x1"]])
+        np.testing.assert_allclose(row["yv__output"].toArray(), x @ W)
+        assert row["yd__output"] == pytest.approx(x.sum()) and row["yi__output"] == int(round(x.sum()))
+
+    model = fitted.stages[1]
+    single = str(tmp_path / "model")
+    model.save(single)
+    with pytest.raises(OSError, match="already exists. To overwrite it, please use write"):
+        model.save(single)
+    model.setOutputCols(["p", "q", "r", "s"]).write().overwrite().save(single)
+    assert LinearModel.read().load(single).getOutputCols() == ["p", "q", "r", "s"]
+
+    pipeline_path = str(tmp_path / "pipeline")
+    _assembled_pipeline(store).save(pipeline_path)  # an unfitted pipeline: the estimator's parameters
+    estimator = Pipeline.load(pipeline_path).getStages()[1]
+    assert type(estimator) is FakeEstimator and estimator.getStore() is None  # stores are not saved (upstream)
+    np.testing.assert_array_equal(estimator.getModel(), W)
+    assert (estimator.getBatchSize(), estimator.getRunId(), estimator.getLabelCols()) == (7, "piped",
+                                                                                         ["yv", "yd", "yi", "ya"])
+
+    old = tmp_path / "old.json"  # the single JSON file earlier versions of this package wrote still loads
+    old.write_text(json.dumps({"class": "LinearModel", "params": {
+        "model": serialization.dumps_b64(W), "label_columns": serialization.dumps_b64(["yv"]),
+        "feature_columns": serialization.dumps_b64(["x"])}}))
+    np.testing.assert_array_equal(LinearModel.load(str(old)).getModel(), W)
 
 
 def test_spark_backend_runs_with_horovod(estimator_spark):

@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 from pyspark.ml import Estimator, Model
+from pyspark.ml.util import MLReadable, MLWritable
 
 from horovod.spark.common import serialization
 from horovod.spark.common.backend import Backend, SparkBackend
@@ -45,7 +46,37 @@ TRANSFORM_BATCH = 1024
 """Rows per call of the model in ``transform`` (per Spark partition)."""
 
 
-class HorovodEstimator(Estimator, EstimatorParams):
+class _Persistence(MLWritable, MLReadable):
+    """Spark ML persistence of models and estimators (serialization.py has the layout): ``save(path)``,
+    ``write().overwrite().save(path)``, ``Class.load(path)``, ``Class.read().load(path)``."""
+
+    def _encode_param(self, name: str, value: Any) -> str:
+        return serialization.dumps_b64(value)
+
+    @classmethod
+    def _decode_param(cls, name: str, text: str) -> Any:
+        return serialization.loads_b64(text)
+
+    def write(self) -> serialization.HorovodParamsWriter:
+        """A Spark ML writer of this object (``.overwrite()`` to replace an existing path)."""
+        return serialization.HorovodParamsWriter(self)
+
+    def save(self, path: str) -> None:
+        """Write the parameters (the model among them; not backend or store) to ``path`` (local path or fsspec
+        URL), which must not exist (``write().overwrite().save(path)`` replaces it)."""
+        self.write().save(path)
+
+    @classmethod
+    def read(cls) -> serialization.HorovodParamsReader:
+        return serialization.HorovodParamsReader(cls)
+
+    @classmethod
+    def load(cls, path: str) -> Any:
+        """What :meth:`save` wrote at ``path`` (unpickles: only load files you trust)."""
+        return cls.read().load(path)
+
+
+class HorovodEstimator(Estimator, EstimatorParams, _Persistence):
     """A pyspark.ml ``Estimator`` training with Horovod; subclasses implement ``_fit_on_prepared_data``."""
 
     _run_id_prefix = "horovod"
@@ -180,7 +211,7 @@ def _scalar_cast(spark_type: Any) -> Callable[[Any], Any]:
     return float
 
 
-class HorovodModel(Model, ModelParams):
+class HorovodModel(Model, ModelParams, _Persistence):
     """A trained model as a pyspark.ml ``Model``; subclasses implement ``_predict_fn``."""
 
     def __init__(self, **kwargs: Any) -> None:
@@ -252,26 +283,3 @@ class HorovodModel(Model, ModelParams):
         if first is None:
             return None
         return {c: np.stack([_as_numpy(first[c])]) for c in features}
-
-    # --- persistence ---------------------------------------------------------------------------------------------
-
-    def _encode_param(self, name: str, value: Any) -> str:
-        return serialization.dumps_b64(value)
-
-    @classmethod
-    def _decode_param(cls, name: str, text: str) -> Any:
-        return serialization.loads_b64(text)
-
-    def save(self, path: str) -> None:
-        """Write the model and its parameters (not backend or store) to ``path`` (local path or fsspec URL)."""
-        params = {p.name: self._encode_param(p.name, self.getOrDefault(p)) for p in self.params
-                  if self.isDefined(p) and serialization.is_saved(p.name)}
-        serialization.save_params(path, type(self).__name__, params)
-
-    @classmethod
-    def load(cls, path: str) -> HorovodModel:
-        """The model :meth:`save` wrote at ``path`` (unpickles: only load files you trust)."""
-        name, params = serialization.load_params(path)
-        if name != cls.__name__:
-            raise ValueError(f"{path} holds a {name}, not a {cls.__name__}")
-        return cls(**{k: cls._decode_param(k, v) for k, v in params.items()})

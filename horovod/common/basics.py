@@ -262,9 +262,11 @@ def _release_mpi() -> None:
 
 
 def engine() -> Engine:
-    """The running engine, or ValueError (upstream's text) before init."""
+    """The running engine, or ValueError (upstream's text) before init() and after this process's own
+    shutdown() (upstream clears its initialised flag there: a collective then fails as before init, not with
+    the shut-down error, which stays for a shutdown another rank caused)."""
     e = _engine
-    if e is None:
+    if e is None or not _initialized:
         raise ValueError(NOT_INITIALIZED)
     return e
 

@@ -126,7 +126,9 @@ def test_shutdown_with_collectives_in_flight(shape):
                 assert isinstance(e, ShutdownError), e
                 continue
             np.testing.assert_array_equal(out, _expected_sum(f"{key}.{j}", shape, np.float64))
-        with pytest.raises(ShutdownError):  # this generation is over on every rank, also here
+        # this generation is over on every rank: the others' collectives fail with the shut-down error, the
+        # quitter's as before init() (upstream's horovod_shutdown() clears its initialised flag)
+        with pytest.raises(ValueError if RANK == i % SIZE else ShutdownError):
             hvd.allreduce(np.ones(2), name=f"{key}.after")
         hvd.shutdown()
     hvd.init()

@@ -28,14 +28,14 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from horovod.spark.common.constants import ARRAY as ARRAY_FORMAT
+from horovod.spark.common.constants import NOCHANGE as NOCHANGE_FORMAT
 from horovod.spark.common.params import check_validation
 from horovod.spark.common.store import Store
 
 __all__ = ["Dataset", "prepare_data", "dataset_from_parquet", "clear_cache"]
 
 logger = logging.getLogger("horovod.spark")
-
-ARRAY_FORMAT, NOCHANGE_FORMAT = "array", "nochange"
 
 
 @dataclass

@@ -32,9 +32,11 @@ from typing import Any
 
 import ray
 
+from horovod.ray.adapter import BaseParams, _ExecutorAdapter
+from horovod.ray.strategy import _resources, create_placement_group, share_node_gpus
 from horovod.ray.worker import BaseHorovodWorker
 
-__all__ = ["RayExecutor", "MiniSettings", "WorkerDiedError", "Coordinator"]
+__all__ = ["RayExecutor", "MiniSettings", "WorkerDiedError", "Coordinator", "StaticAdapter", "StaticParams"]
 
 logger = logging.getLogger(__name__)
 
@@ -289,10 +291,8 @@ class RayExecutor:
         self.node_ids = node_ids
         layout = node_layout(node_ids)
         if self.use_gpu:
-            gpu_ids = self._get([w.get_gpu_ids.remote() for w in self.workers], "report its GPUs")
-            per_node: dict[str, list] = {}
-            for node, ids in zip(node_ids, gpu_ids):
-                per_node.setdefault(node, []).extend(i for i in ids if i not in per_node.get(node, []))
+            visible = share_node_gpus(node_ids, self._get([w.get_gpu_ids.remote() for w in self.workers],
+                                                          "report its GPUs"))
         key = auth.make_secret_key()
         tls_env, job_tls = _tls()
         addr = ray.util.get_node_ip_address()
@@ -312,7 +312,7 @@ class RayExecutor:
                            layout[rank]))
             env.update(common)
             if self.use_gpu:
-                env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in per_node[node_ids[rank]])
+                env["CUDA_VISIBLE_DEVICES"] = visible[node_ids[rank]]
             calls.append(w.update_env_vars.remote(env))
         self._get(calls, "take its environment")
         self._get([w.start_executable.remote(executable_cls, executable_args, executable_kwargs)
@@ -322,8 +322,6 @@ class RayExecutor:
 
     def _reserve(self) -> list[int]:
         """Create (or inherit) the placement group; the bundle index of every rank (-1: any bundle)."""
-        from ray.util import placement_group
-
         pg = _current_pg() if self.use_current_placement_group else None
         wait = float(getattr(self.settings, "placement_group_timeout_s", 100) or 100)
         if pg is not None:
@@ -334,22 +332,15 @@ class RayExecutor:
             return [-1] * n
         gpus = self.gpus_per_worker * int(self.use_gpu)
         if self.num_workers:
-            bundles = [{"CPU": self.cpus_per_worker, **({"GPU": gpus} if gpus else {})}
-                       for _ in range(self.num_workers)]
+            resources, count = _resources(self.cpus_per_worker, gpus), self.num_workers
             strategy, bundle_of = "PACK", list(range(self.num_workers))
         else:
             assert self.num_hosts is not None
             wph = self.num_workers_per_host
-            bundles = [{"CPU": self.cpus_per_worker * wph, **({"GPU": gpus * wph} if gpus else {})}
-                       for _ in range(self.num_hosts)]
+            resources, count = _resources(self.cpus_per_worker * wph, gpus * wph), self.num_hosts
             strategy, bundle_of = "STRICT_SPREAD", [b for b in range(self.num_hosts) for _ in range(wph)]
-        self._pg, self._own_pg = placement_group(bundles, strategy=strategy), True
-        ready, _ = ray.wait([self._pg.ready()], timeout=wait)
-        if not ready:
-            raise TimeoutError(
-                "Placement group creation timed out. Make sure your cluster either has enough resources or use "
-                f"an autoscaling cluster. Current resources available: {ray.available_resources()}, resources "
-                f"requested by the placement group: {self._pg.bundle_specs}")
+        self._pg, _ = create_placement_group(resources, count, wait, strategy)
+        self._own_pg = True
         return bundle_of
 
     def _placement(self, bundle: int) -> Any:
@@ -524,6 +515,46 @@ class RayExecutor:
         states = ray.get([w.horovod_state.remote() for w in self.workers])
         newest = max(g for g, _ in states)
         ray.get([w.realign.remote(newest) for w in self.workers])
+
+
+@dataclasses.dataclass
+class StaticParams(BaseParams):
+    """Parameters of a static job (upstream's; see :class:`RayExecutor` for each)."""
+
+    num_workers: int | None = None
+    num_hosts: int | None = None
+    num_workers_per_host: int = 1
+    use_current_placement_group: bool = True
+
+    @property
+    def elastic(self) -> bool:
+        return False
+
+    @property
+    def adapter(self) -> type:
+        return StaticAdapter
+
+
+class StaticAdapter(_ExecutorAdapter):
+    """Upstream's adapter of a static job: a :class:`RayExecutor` of these parameters (``self.executor``), its
+    workers in ``self.workers`` once started."""
+
+    def __init__(self, settings: Any, num_workers: int | None = None, num_hosts: int | None = None,
+                 num_workers_per_host: int = 1, cpus_per_worker: int = 1, use_gpu: bool = False,
+                 gpus_per_worker: int | None = None, use_current_placement_group: bool = True) -> None:
+        self.settings = settings
+        self.executor = RayExecutor(settings, num_workers=num_workers, num_hosts=num_hosts,
+                                    num_workers_per_host=num_workers_per_host, cpus_per_worker=cpus_per_worker,
+                                    use_gpu=use_gpu, gpus_per_worker=gpus_per_worker,
+                                    use_current_placement_group=use_current_placement_group)
+        self.num_workers, self.num_hosts, self.num_workers_per_host = num_workers, num_hosts, num_workers_per_host
+        self.cpus_per_worker, self.use_gpu = cpus_per_worker, use_gpu
+        self.gpus_per_worker = gpus_per_worker or 1
+        self.use_current_placement_group = use_current_placement_group
+
+    @property
+    def workers(self) -> list[Any]:
+        return self.executor.workers
 
 
 def node_layout(node_ids: list[str]) -> list[tuple[int, int, int, int]]:

@@ -35,8 +35,9 @@ from typing import IO, Any
 from horovod.base.exceptions import follows_from_another_rank
 from horovod.runner.common.util.timeout import TimeoutException
 from horovod.spark import task as task_mod
+from horovod.spark.elastic import run_elastic  # upstream defines it in horovod/spark/runner.py
 
-__all__ = ["run", "START_TIMEOUT_MESSAGE"]
+__all__ = ["run", "run_elastic", "START_TIMEOUT_MESSAGE"]
 
 logger = logging.getLogger("horovod.spark")
 

@@ -8,6 +8,7 @@ and the small helpers against upstream's documented results.
 
 from __future__ import annotations
 
+import inspect
 import os
 
 import numpy as np
@@ -103,6 +104,18 @@ def test_prepare_data_checks_like_upstream(estimator_spark, tmp_path):
     with pytest.raises(ValueError, match="partitions_per_process=0 must both be > 0"):
         with util.prepare_data(2, store, df, ["y"], ["x"], partitions_per_process=0):
             pass
+
+
+def test_runner_module_has_both_launchers():
+    import horovod.spark
+    from horovod.spark import runner
+
+    assert runner.run_elastic.__module__ == "horovod.spark.elastic"  # the implementation horovod.spark uses
+    assert list(inspect.signature(runner.run_elastic).parameters) == [
+        "fn", "args", "kwargs", "num_proc", "min_num_proc", "max_num_proc", "start_timeout", "elastic_timeout",
+        "reset_limit", "env", "stdout", "stderr", "verbose", "nics", "prefix_output_with_timestamp", "min_np",
+        "max_np"]  # upstream's signature (HOROVOD_SPEC_SPARK_RAY.md section 1)
+    assert callable(horovod.spark.run_elastic)
 
 
 def test_helpers_match_upstream():

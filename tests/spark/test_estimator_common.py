@@ -48,16 +48,19 @@ def test_store_paths_and_files(tmp_path):
     store = Store.create(str(tmp_path))
     assert type(store) is FilesystemStore
     prefix = str(tmp_path)
-    assert store.get_train_data_path() == f"{prefix}/intermediate_train_data"
-    assert store.get_train_data_path(3) == f"{prefix}/intermediate_train_data.3"
-    assert store.get_val_data_path(0) == f"{prefix}/intermediate_val_data.0"
-    assert store.get_test_data_path() == f"{prefix}/intermediate_test_data"
-    assert store.get_runs_path() == f"{prefix}/runs"
-    assert store.get_run_path("r1") == f"{prefix}/runs/r1"
-    assert store.get_checkpoint_path("r1") == f"{prefix}/runs/r1/checkpoint"
-    assert store.get_logs_path("r1") == f"{prefix}/runs/r1/logs"
+    uri = f"file://{prefix}"  # upstream: a bare local path becomes a file:// URI for every remote-facing path
+    assert store.prefix_path == uri
+    assert store.get_train_data_path() == f"{uri}/intermediate_train_data"
+    assert store.get_train_data_path(3) == f"{uri}/intermediate_train_data.3"
+    assert store.get_val_data_path(0) == f"{uri}/intermediate_val_data.0"
+    assert store.get_test_data_path() == f"{uri}/intermediate_test_data"
+    assert store.get_runs_path() == f"{uri}/runs"
+    assert store.get_run_path("r1") == f"{uri}/runs/r1"
+    assert store.get_checkpoint_path("r1") == f"{uri}/runs/r1/checkpoint"
+    assert store.get_logs_path("r1") == f"{uri}/runs/r1/logs"
+    assert store.get_localized_path(store.get_run_path("r1")) == f"{prefix}/runs/r1"
     assert store.spark_path(store.get_train_data_path()) == f"file://{prefix}/intermediate_train_data"
-    assert Store.create(f"file://{prefix}").get_run_path("x") == f"{prefix}/runs/x"
+    assert Store.create(f"file://{prefix}").get_run_path("x") == f"{uri}/runs/x"
     no_runs = LocalStore(prefix, save_runs=False)
     assert no_runs.get_checkpoint_path("r1") is None and no_runs.get_logs_path("r1") is None
 
@@ -104,7 +107,7 @@ def test_store_create_dispatch(tmp_path, monkeypatch):
     assert type(Store.create("/dbfs/tmp/x")) is FilesystemStore
     monkeypatch.setenv("DATABRICKS_RUNTIME_VERSION", "13.3")
     dbfs = Store.create("dbfs:/tmp/x")
-    assert type(dbfs) is DBFSLocalStore and dbfs.prefix_path == "/dbfs/tmp/x"
+    assert type(dbfs) is DBFSLocalStore and dbfs.prefix_path == "file:///dbfs/tmp/x"
     with pytest.raises(ValueError, match="not a dbfs"):
         DBFSLocalStore("/tmp/x")
 

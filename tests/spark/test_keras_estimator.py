@@ -97,11 +97,11 @@ def test_resume_from_checkpoint(linear, keras):
     model passed in is fresh."""
     df, store, fitted = linear
     trained = fitted.getModel()
-    checkpoints = glob.glob(os.path.join(store.get_run_path("linear"), "checkpoint*"))
-    assert checkpoints, os.listdir(store.get_run_path("linear"))
+    checkpoints = glob.glob(os.path.join(store.get_localized_path(store.get_run_path("linear")), "checkpoint*"))
+    assert checkpoints, os.listdir(store.get_localized_path(store.get_run_path("linear")))
     fresh = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
-    (prepared,) = [p for p in glob.glob(os.path.join(store.prefix_path, "intermediate_train_data.*"))
-                   if os.path.isdir(p)]
+    local_prefix = store.get_localized_path(store.prefix_path)  # upstream's prefix_path is a file:// URI
+    (prepared,) = [p for p in glob.glob(os.path.join(local_prefix, "intermediate_train_data.*")) if os.path.isdir(p)]
     # upstream's fit_on_parquet: the Parquet data the first fit left in the store, its validation rows included
     resumed = _linear_estimator(keras, store, lr=0.0, epochs=1, model=fresh).fit_on_parquet(
         dataset_idx=int(prepared.rsplit(".", 1)[1]))
@@ -133,8 +133,10 @@ def test_classification_with_validation_fraction(estimator_spark, keras, tmp_pat
     assert history["val_accuracy"][-1] >= 0.93 and history["accuracy"][-1] >= 0.95
     assert fitted.getRunId().startswith("keras_")
     assert not os.path.exists("never_written_here.keras")  # the callback wrote the run's checkpoint instead
-    assert os.path.exists(os.path.join(store.get_run_path(fitted.getRunId()), "checkpoint.keras"))
-    val_rows = sum(_parquet_rows(p) for p in glob.glob(os.path.join(store.prefix_path, "intermediate_val_data.*")))
+    run_dir = store.get_localized_path(store.get_run_path(fitted.getRunId()))
+    assert os.path.exists(os.path.join(run_dir, "checkpoint.keras"))
+    local_prefix = store.get_localized_path(store.prefix_path)
+    val_rows = sum(_parquet_rows(p) for p in glob.glob(os.path.join(local_prefix, "intermediate_val_data.*")))
     assert 0.15 * len(x) <= val_rows <= 0.35 * len(x)  # the fraction (Spark's randomSplit) was honoured
 
     rows = fitted.transform(df).collect()

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import inspect
 import os
+import pathlib
+import re
+import socket
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -17,7 +20,7 @@ import pytest
 
 from horovod.spark import conf
 from horovod.spark.common import constants, util
-from horovod.spark.common.store import Store
+from horovod.spark.common.store import AbstractFilesystemStore, FilesystemStore, LocalStore, Store
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -104,6 +107,27 @@ def test_prepare_data_checks_like_upstream(estimator_spark, tmp_path):
     with pytest.raises(ValueError, match="partitions_per_process=0 must both be > 0"):
         with util.prepare_data(2, store, df, ["y"], ["x"], partitions_per_process=0):
             pass
+
+
+def test_store_paths_are_upstreams(tmp_path):
+    prefix = str(tmp_path / "store")
+    uri = pathlib.Path(prefix).as_uri()
+    for store in (Store.create(prefix), FilesystemStore(prefix), LocalStore(uri)):
+        assert isinstance(store, AbstractFilesystemStore)
+        assert store.prefix_path == uri
+        assert store.get_train_data_path(1) == f"{uri}/intermediate_train_data.1"
+        assert store.get_run_path("r") == f"{uri}/runs/r"
+        assert store.get_logs_path("r") == f"{uri}/runs/r/logs"
+        assert store.get_full_path(prefix) == uri and store.get_localized_path(uri) == prefix
+        assert store.get_filesystem() is store.fs
+    store = Store.create(prefix)
+    meta = store.get_data_metadata_path(store.get_train_data_path(0) + "/")
+    short = socket.gethostname().split(".")[0]
+    assert re.fullmatch(re.escape(f"{prefix}/intermediate_train_data.0_{short}-") + r"[0-9a-f]{32}"
+                        + re.escape("_cached_metadata.pkl"), meta), meta
+    store.write_text(store.get_checkpoint_path("r"), "x")  # a URI path reads and writes like upstream's
+    assert os.path.exists(os.path.join(prefix, "runs", "r", "checkpoint")) and store.read(
+        store.get_checkpoint_path("r")) == b"x"
 
 
 def test_runner_module_has_both_launchers():

@@ -13,6 +13,12 @@ How an estimator uses it:
 Layout under the prefix (as upstream): ``intermediate_train_data.<idx>/``, ``intermediate_val_data.<idx>/``
 (Parquet), ``runs/<run_id>/checkpoint`` and ``runs/<run_id>/logs/``.
 
+Paths, as upstream's: a local prefix (``/p``, ``file:///p``) becomes the URI ``file:///p``, and every path a
+store returns for Spark and the workers (``prefix_path``, ``get_{train,val,test}_data_path``, ``get_runs_path``,
+``get_run_path``, ``get_checkpoint_path``, ``get_logs_path``) is a full URI (``file:///p/...``, ``s3://b/...``);
+``get_localized_path`` strips the scheme, and ``get_data_metadata_path`` and ``get_checkpoints`` return
+localized (filesystem) paths.
+
 Any fsspec URL works when fsspec is installed (``s3://``, ``gs://``, ``hdfs://`` with pyarrow's libhdfs ...,
 given the filesystem's own package); a plain local or shared (NFS) path works without fsspec.
 """
@@ -21,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pathlib
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
@@ -28,7 +35,8 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlparse
 
-__all__ = ["Store", "FilesystemStore", "LocalStore", "HDFSStore", "DBFSLocalStore", "RemoteStore"]
+__all__ = ["Store", "AbstractFilesystemStore", "FilesystemStore", "LocalStore", "HDFSStore", "DBFSLocalStore",
+           "RemoteStore"]
 
 DEFAULT_CHECKPOINT_FILENAME = "checkpoint"
 LOGS_SUBDIR = "logs"
@@ -40,15 +48,16 @@ class _LocalFileSystem:
     protocol = ("file", "local")
 
     def exists(self, path: str) -> bool:
-        return os.path.exists(path)
+        return os.path.exists(_local_path(path))
 
     def open(self, path: str, mode: str = "rb") -> Any:
-        return open(path, mode)
+        return open(_local_path(path), mode)
 
     def makedirs(self, path: str, exist_ok: bool = True) -> None:
-        os.makedirs(path, exist_ok=exist_ok)
+        os.makedirs(_local_path(path), exist_ok=exist_ok)
 
     def rm(self, path: str, recursive: bool = False) -> None:
+        path = _local_path(path)
         if os.path.isdir(path):
             shutil.rmtree(path) if recursive else os.rmdir(path)
         else:
@@ -56,7 +65,7 @@ class _LocalFileSystem:
 
     def find(self, path: str) -> list[str]:
         found = []
-        for root, _dirs, files in os.walk(path):
+        for root, _dirs, files in os.walk(_local_path(path)):
             found.extend(os.path.join(root, f) for f in files)
         return sorted(found)
 
@@ -74,6 +83,11 @@ def _is_local(prefix: str) -> bool:
 
 def _local_path(prefix: str) -> str:
     return urlparse(prefix).path if prefix.startswith(("file:", "local:")) else prefix
+
+
+def _local_uri(path: str) -> str:
+    """A local path (or ``file:``/``local:`` URL) as an absolute ``file:///`` URI (upstream's full path)."""
+    return pathlib.Path(os.path.abspath(_local_path(path))).as_uri()
 
 
 def _make_filesystem(prefix: str, storage_options: dict[str, Any] | None) -> Any:
@@ -126,7 +140,7 @@ class Store:
 
     def _normalize(self, path: str) -> str:
         path = str(path)
-        return os.path.abspath(_local_path(path)) if _is_local(path) else path.rstrip("/")
+        return _local_uri(path) if _is_local(path) else path.rstrip("/")
 
     def _join(self, *parts: str) -> str:
         return "/".join([self.prefix_path.rstrip("/"), *parts])
@@ -145,8 +159,11 @@ class Store:
         return self._indexed(self._test_path, idx)
 
     def get_data_metadata_path(self, path: str) -> str:
-        """Where ``prepare_data`` keeps the column metadata of the Parquet dataset at ``path`` (beside it)."""
-        return f"{path.rstrip('/')}_metadata.json"
+        """Where ``prepare_data`` keeps the metadata of the Parquet dataset at ``path``: beside it, a localized
+        path named ``<path>_<host hash>_cached_metadata.pkl`` (upstream's name; the content is ours: JSON)."""
+        from horovod.spark.task import host_hash
+
+        return f"{self._fs_path(path).rstrip('/')}_{host_hash()}_cached_metadata.pkl"
 
     def saving_runs(self) -> bool:
         return self._save_runs
@@ -178,7 +195,7 @@ class Store:
 
     def spark_path(self, path: str) -> str:
         """``path`` as Spark's writers and readers take it (a local path becomes a ``file://`` URL)."""
-        return "file://" + path if _is_local(path) and path.startswith("/") else path
+        return _local_uri(path) if _is_local(path) else path
 
     # --- file access -----------------------------------------------------------------------------------------
 
@@ -190,7 +207,7 @@ class Store:
         return self._fs
 
     def _fs_path(self, path: str) -> str:
-        return path if _is_local(path) else self.filesystem._strip_protocol(path)
+        return _local_path(path) if _is_local(path) else self.filesystem._strip_protocol(path)
 
     def exists(self, path: str) -> bool:
         return bool(self.filesystem.exists(self._fs_path(path)))
@@ -276,7 +293,29 @@ class Store:
         return f"{type(self).__name__}({self.prefix_path!r})"
 
 
-class FilesystemStore(Store):
+class AbstractFilesystemStore(Store):
+    """Upstream's base of the stores on a filesystem: full (URI) and localized paths, the filesystem object."""
+
+    def get_full_path(self, path: str) -> str:
+        """``path`` as a full URI (a local path -> ``file:///abs/path``; a URI as it is)."""
+        return self._normalize(path)
+
+    def get_full_path_fn(self) -> Callable[[str], str]:
+        return self.get_full_path
+
+    def get_localized_path(self, path: str) -> str:
+        """``path`` without its scheme (and host), as the filesystem object takes it."""
+        return self._fs_path(path)
+
+    @property
+    def fs(self) -> Any:
+        return self.filesystem
+
+    def get_filesystem(self) -> Any:
+        return self.filesystem
+
+
+class FilesystemStore(AbstractFilesystemStore):
     """A store on any fsspec filesystem (``s3://``, ``gs://``, ``abfs://``, ``file://``, a local path ...).
 
     ``storage_options`` go to the fsspec filesystem (credentials, endpoints).

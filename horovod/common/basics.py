@@ -68,7 +68,9 @@ def init(comm=None, process_sets: Sequence[ProcessSet] | str | None = None) -> N
     """
     global _engine, _static_sets, _dynamic_counter, _initialized, _generation, _atexit_registered, _mpi
     with _lock:
-        if _initialized:
+        if _initialized:  # upstream: the engine is not touched; the objects passed are matched to its sets
+            if process_sets is not None and not isinstance(process_sets, str):
+                _match_static_sets(list(process_sets), _engine.set_table(), _mpi)
             return
         bootstrap.refuse_a_copy_of_a_rank()
         _generation += 1
@@ -95,12 +97,10 @@ def init(comm=None, process_sets: Sequence[ProcessSet] | str | None = None) -> N
             core = engine_core(config, topology)  # before meeting the others: bad settings fail on their own
             check_output_files(config, topology.rank)
             sets = list(process_sets or [])
-            if mpi is not None and any(ps.mpi_comm is not None for ps in sets):
-                sets = _resolve_comm_sets(sets, mpi)
-            sets = _register_static_sets(sets, topology.size)
+            table = _static_set_table(sets, mpi, topology.size)
             if topology.size > 1 and mesh is None:
-                mesh = bootstrap.build_mesh(topology, [ps.ranks for ps in sets], gen, mpi)
-            engine = Engine(topology, config, mesh, {ps.process_set_id: ps.ranks for ps in sets}, core)
+                mesh = bootstrap.build_mesh(topology, table, gen, mpi)
+            engine = Engine(topology, config, mesh, {i + 1: ranks for i, ranks in enumerate(table)}, core)
         except Exception:
             if mesh is not None:
                 mesh.close()
@@ -117,11 +117,19 @@ def init(comm=None, process_sets: Sequence[ProcessSet] | str | None = None) -> N
         _static_sets = sets
         _dynamic_counter = 0
         _initialized = True
+        from horovod.common.process_sets import global_process_set  # (that module imports this one)
+
+        global_process_set.mpi_comm = comm if mpi is not None and hasattr(comm, "Get_group") else None  # upstream
         naming.reset()
         if not _atexit_registered:
             atexit.register(_shutdown_at_exit)
             sys.excepthook = _recording_excepthook(sys.excepthook)
             _atexit_registered = True
+        # As upstream: a process set listed twice (the same ranks, or this rank's communicator matching another
+        # entry's) fails init() *after* the job started, so ranks whose lists differ only there (the even ranks'
+        # communicator is also a list of ranks on the even ranks only) do not hang each other; call init()
+        # again with a list without duplicates to get the objects registered.
+        _match_static_sets(sets, engine.set_table(), mpi)
 
 
 def _orphan_engine_in_forked_child() -> None:
@@ -146,68 +154,91 @@ def participation_epoch() -> tuple[int, int]:
     return _generation, engine().executor.joins_completed
 
 
-def _resolve_comm_sets(sets: list[ProcessSet], mpi) -> list[ProcessSet]:
-    """Upstream's static process sets from mpi4py communicators (``hvd.ProcessSet(comm.Split(...))``): each
-    rank holds its own communicator, so every rank's members (as ranks of the job's communicator) are
-    gathered, and each distinct group becomes one set, in order of its lowest rank (upstream's docs: the
-    even ranks' set gets id 1).  This rank's object takes its own group's id; on a rank whose communicator
-    is ``MPI.COMM_NULL`` (``Split`` with ``MPI.UNDEFINED``) it stays unregistered.  Collective over the job."""
+def _comm_ranks(comm, mpi) -> list[int] | None:
+    """The job ranks of an mpi4py communicator's processes, sorted (None for ``MPI.COMM_NULL``: this rank took
+    ``MPI.UNDEFINED`` in the ``Split``).  Local: no communication."""
     from mpi4py import MPI
 
-    from horovod.transport.mpi import _allgather_json
-
+    if comm == MPI.COMM_NULL:
+        return None
     job_group = mpi.comm.Get_group()
-    mine: list[list[int] | None] = []
-    for ps in sets:
-        if ps.mpi_comm is None:
-            continue
-        if ps.mpi_comm == MPI.COMM_NULL:
-            mine.append(None)
-            continue
-        group = ps.mpi_comm.Get_group()
+    group = comm.Get_group()
+    try:
         ranks = MPI.Group.Translate_ranks(group, list(range(group.Get_size())), job_group)
+    finally:
         group.Free()
-        if any(r == MPI.UNDEFINED for r in ranks):
-            raise ValueError(f"Horovod could not be initialized: the communicator of {ps} has processes that are "
-                             "not part of the Horovod job.")
-        mine.append(sorted(ranks))
-    job_group.Free()
-    everyone = _allgather_json(mpi.comm, mine)
-    if any(len(theirs) != len(mine) for theirs in everyone):
-        raise ValueError("Horovod could not be initialized: ranks passed different numbers of process sets made "
-                         f"from MPI communicators to init() ({[len(theirs) for theirs in everyone]}).")
-    resolved: list[ProcessSet] = []
-    i = 0
+        job_group.Free()
+    if any(r == MPI.UNDEFINED for r in ranks):
+        raise ValueError(f"Horovod could not be initialized: the communicator {comm} has processes that are not "
+                         "part of the Horovod job.")
+    return sorted(ranks)
+
+
+def _static_set_table(sets: list[ProcessSet], mpi, world_size: int) -> list[list[int]]:
+    """The static process sets of the job, ids 1, 2, ... in this order, as upstream's core registers them:
+    first every distinct group of each entry made from an mpi4py communicator (``hvd.ProcessSet(comm.Split(...))``:
+    each rank holds its own group, so the groups of all ranks are gathered; in order of their lowest rank),
+    then the entries made from ranks; a group already registered (the global set, a ``comm.Dup()``, a list of
+    ranks equal to a communicator's group) is registered once.  Collective over the job when an entry is a
+    communicator; every rank gets the same table."""
     for ps in sets:
         if ps.mpi_comm is None:
-            resolved.append(ps)
-            continue
-        groups = sorted({tuple(theirs[i]) for theirs in everyone if theirs[i] is not None})
-        for group_ranks in groups:
-            if mine[i] is not None and list(group_ranks) == mine[i]:
-                ps.ranks = mine[i]
-                resolved.append(ps)
-            else:
-                resolved.append(type(ps)(list(group_ranks)))  # (process_sets imports this module)
-        i += 1
-    return resolved
-
-
-def _register_static_sets(sets: list[ProcessSet], world_size: int) -> list[ProcessSet]:
-    seen: list[list[int]] = [list(range(world_size))]
-    for i, ps in enumerate(sets):
-        if ps.ranks is None:
+            error = process_set_ranks_error(ps.ranks, world_size)
+            if error:
+                raise ValueError(error)
+    groups: list[list[int]] = []
+    comm_sets = [ps for ps in sets if ps.mpi_comm is not None]
+    if comm_sets:
+        if mpi is None:
             raise ValueError("Process sets from mpi4py communicators need the MPI controller.")
-        if ps.ranks in seen:
+        from horovod.transport.mpi import _allgather_json
+
+        mine = [_comm_ranks(ps.mpi_comm, mpi) for ps in comm_sets]
+        everyone = _allgather_json(mpi.comm, mine)
+        if any(len(theirs) != len(mine) for theirs in everyone):
+            raise ValueError("Horovod could not be initialized: ranks passed different numbers of process sets "
+                             f"made from MPI communicators to init() ({[len(theirs) for theirs in everyone]}).")
+        for i in range(len(comm_sets)):
+            groups += sorted({tuple(theirs[i]) for theirs in everyone if theirs[i] is not None})
+    groups += [tuple(ps.ranks) for ps in sets if ps.mpi_comm is None]
+    table: list[list[int]] = []
+    for group in groups:
+        if list(group) != list(range(world_size)) and list(group) not in table:
+            table.append(list(group))
+    return table
+
+
+def _match_static_sets(sets: list[ProcessSet], table: dict[int, list[int]], mpi) -> None:
+    """Give each object of ``init(process_sets=...)`` the id of its registered set (upstream's
+    ``_init_process_sets``); an entry whose set an earlier entry of the list already has (the global set
+    counts) is left unregistered, and the first such entry is named in upstream's ValueError.  An object
+    made from ``MPI.COMM_NULL`` stays unregistered."""
+    by_ranks = {tuple(ranks): pid for pid, ranks in table.items()}
+    seen = {0}
+    duplicate: tuple[int, ProcessSet] | None = None
+    for i, ps in enumerate(sets):
+        if ps.mpi_comm is not None:
+            if mpi is None:
+                raise ValueError("Process sets from mpi4py communicators need the MPI controller.")
+            ranks = _comm_ranks(ps.mpi_comm, mpi)
+            if ranks is None:
+                continue
+            ps.ranks = ranks
+        pid = by_ranks.get(tuple(sorted(ps.ranks)))
+        if pid is None:
+            raise ValueError(f"{ps} is not one of the process sets of the running job (init() was called before "
+                             "with other process sets; add it with hvd.add_process_set() and "
+                             "HOROVOD_DYNAMIC_PROCESS_SETS=1, or shutdown() first)")
+        if pid in seen:
             ps.process_set_id = None
-            raise ValueError(f"Horovod could not be initialized because process_sets entry number {i} is a "
-                             f"duplicate: {ps}")
-        error = process_set_ranks_error(ps.ranks, world_size)
-        if error:
-            raise ValueError(error)
-        seen.append(ps.ranks)
-        ps.process_set_id = i + 1
-    return sets
+            if duplicate is None:
+                duplicate = (i, ps)
+        else:
+            ps.process_set_id = pid
+            seen.add(pid)
+    if duplicate is not None:
+        raise ValueError(f"Horovod could not be initialized because process_sets entry number {duplicate[0]} is a "
+                         f"duplicate: {duplicate[1]}")
 
 
 _uncaught: str | None = None  # the exception ending this process, for the cause the other ranks see
@@ -431,6 +462,19 @@ def remove_process_set(ps: ProcessSet) -> bool:
 def _get_process_set_ids_and_ranks() -> dict[int, list[int]]:
     """Upstream's name: every registered process set's global ranks, by id."""
     return engine().set_table()
+
+
+def _comm_process_set_id(comm) -> int:
+    """Upstream's: the id of the registered process set whose ranks are those of the mpi4py communicator
+    ``comm`` (a ``Dup()`` of a set's communicator matches it too)."""
+    e = _engine
+    if e is None or not _initialized or _mpi is None:
+        raise ValueError("Horovod has not been initialized or MPI has not been enabled; use hvd.init().")
+    ranks = _comm_ranks(comm, _mpi)
+    for pid, members in e.set_table().items():
+        if ranks is not None and members == ranks:
+            return pid
+    raise ValueError("MPI communicator does not correspond to any registered process set.")
 
 
 def process_set_ranks(process_set_id: int | None) -> list[int] | None:

@@ -55,6 +55,7 @@ _REDUCE_DTYPES = frozenset({torch.int32, torch.int64, torch.float16, torch.float
 _MOVE_DTYPES = _REDUCE_DTYPES | {torch.uint8, torch.int8, torch.int16, torch.bool}
 
 _handle_map = HandleMap()
+_basics = basics.HorovodBasics()  # upstream's module attribute (its tests call _basics._get_process_set_ids...)
 
 
 # ---------------------------------------------------------------------- init / shutdown

@@ -210,6 +210,65 @@ def test_mpi_modes(mode, env, marker):
     assert proc.stdout.count(marker) == expected, proc.stdout
 
 
+MULTI_COMM_SCRIPT = """
+import json, os
+import torch
+from mpi4py import MPI
+import horovod.torch as hvd
+world = MPI.COMM_WORLD
+sub = world.Split(color=world.rank % 2, key=world.rank)
+world_dup, sub_dup = world.Dup(), sub.Dup()
+evens = hvd.ProcessSet(range(0, world.size, 2))  # on the even ranks: the same set as their `sub`
+errors = []
+def attempt(sets):
+    try:
+        hvd.init(comm=world, process_sets=sets)
+    except ValueError as e:
+        errors.append(str(e).split(": ProcessSet")[0])
+        return
+    errors.append("ok")
+attempt([hvd.ProcessSet(sub), hvd.ProcessSet(world_dup), hvd.ProcessSet(sub_dup), evens, hvd.ProcessSet([0])])
+attempt([hvd.ProcessSet(sub), hvd.ProcessSet(world_dup), hvd.ProcessSet([0])])
+attempt([hvd.ProcessSet(sub), evens, hvd.ProcessSet([0])])
+mine = hvd.ProcessSet(sub)
+attempt([mine, hvd.ProcessSet([0])])
+total = hvd.allreduce(torch.tensor([float(world.rank + 1)]), op=hvd.Sum, process_set=mine, name="sub")
+out = dict(rank=hvd.rank(), errors=errors, table=hvd.mpi_ops._basics._get_process_set_ids_and_ranks(),
+           mine=[mine.process_set_id, mine.ranks], dup_id=hvd.mpi_ops._basics._comm_process_set_id(sub_dup),
+           global_comm=hvd.global_process_set.mpi_comm == world, total=float(total[0]))
+os.write(1, ("RESULT " + json.dumps(out) + "\\n").encode())
+world.barrier()
+hvd.shutdown()
+"""
+
+
+@needs_mpi
+def test_process_sets_from_communicators_with_duplicates_as_upstream(tmp_path):
+    """Upstream's test_process_sets_multi_comm: an entry whose set an earlier entry already has (a ``Dup()`` of a
+    communicator, a list of ranks equal to this rank's ``Split`` group) makes init() raise, but only on the
+    ranks where it is one, and Horovod stays initialized, so a later init() with a clean list goes on.  The other
+    ranks' groups were inserted into each rank's list: [sub, evens] was a duplicate on the odd ranks too (their
+    init() failed while upstream's succeeds), error indices named the expanded list, and the next init() was a
+    new job on some ranks only: the job hung."""
+    script = tmp_path / "multi_comm.py"
+    script.write_text(MULTI_COMM_SCRIPT)
+    proc = mpirun(4, [sys.executable, str(script)], env=_env(OMP_NUM_THREADS="1"))
+    _ok(proc)
+    res = sorted((json.loads(line.split("RESULT ", 1)[1]) for line in proc.stdout.splitlines()
+                  if "RESULT " in line), key=lambda r: r["rank"])
+    assert [r["rank"] for r in res] == [0, 1, 2, 3], proc.stdout + proc.stderr
+    dup = "Horovod could not be initialized because process_sets entry number {} is a duplicate"
+    # upstream's core: the communicators' groups first (in order of lowest rank), then the lists of ranks
+    table = {"0": [0, 1, 2, 3], "1": [0, 2], "2": [1, 3], "3": [0]}
+    for r in res:
+        even = r["rank"] % 2 == 0
+        assert r["errors"] == [dup.format(1), dup.format(1), dup.format(1) if even else "ok", "ok"], r
+        assert r["table"] == table, r
+        assert r["mine"] == ([1, [0, 2]] if even else [2, [1, 3]]), r
+        assert r["dup_id"] == r["mine"][0] and r["global_comm"] is True, r
+        assert r["total"] == float(sum(q + 1 for q in range(4) if q % 2 == r["rank"] % 2)), r
+
+
 @needs_mpi
 def test_horovodrun_mpi_and_check_build(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "horovod.runner", "--mpi", "-np", "2", "--mpi-args=--oversubscribe",

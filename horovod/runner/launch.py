@@ -160,6 +160,14 @@ def _run(job: JobSpec, stop_event: threading.Event | None = None) -> list[Any] |
         print(_check_build_text(job.verbose))
         return None
     job.check()
+    ignored = [flag for flag, value in (("--mpi-args", job.mpi_args), ("--binding-args", job.binding_args)) if value]
+    if ignored and (job.is_elastic() or not job.use_mpi):
+        # upstream's horovodrun runs mpirun by default when Horovod has MPI, so these took effect there; here the
+        # default is the built-in transport, which would drop them without a word
+        logger.warning("horovodrun: warning: %s %s only passed to mpirun (--mpi); this job runs on the built-in "
+                       "transport without mpirun and ignores %s: add --mpi to launch with mpirun",
+                       " and ".join(ignored), "is" if len(ignored) == 1 else "are",
+                       "it" if len(ignored) == 1 else "them")
     if job.output_filename and (job.is_elastic() or not job.use_mpi):  # under --mpi, mpirun writes it
         from horovod.runner.output import make_output_dir
 

@@ -57,6 +57,7 @@ _initialized = False
 _generation = 0
 _atexit_registered = False
 _mpi = None  # horovod.transport.mpi.MpiJob while running under MPI
+_global_comm = None  # the mpi4py communicator given to init(comm=...) under MPI (global_process_set.mpi_comm)
 
 
 def init(comm=None, process_sets: Sequence[ProcessSet] | str | None = None) -> None:
@@ -67,6 +68,7 @@ def init(comm=None, process_sets: Sequence[ProcessSet] | str | None = None) -> N
     rank must join with its own shutdown()/init() (a rank that does not is named in the error).
     """
     global _engine, _static_sets, _dynamic_counter, _initialized, _generation, _atexit_registered, _mpi
+    global _global_comm
     with _lock:
         if _initialized:  # upstream: the engine is not touched; the objects passed are matched to its sets
             if process_sets is not None and not isinstance(process_sets, str):
@@ -117,9 +119,7 @@ def init(comm=None, process_sets: Sequence[ProcessSet] | str | None = None) -> N
         _static_sets = sets
         _dynamic_counter = 0
         _initialized = True
-        from horovod.common.process_sets import global_process_set  # (that module imports this one)
-
-        global_process_set.mpi_comm = comm if mpi is not None and hasattr(comm, "Get_group") else None  # upstream
+        _global_comm = comm if mpi is not None and hasattr(comm, "Get_group") else None  # global_process_set's
         naming.reset()
         if not _atexit_registered:
             atexit.register(_shutdown_at_exit)
@@ -300,6 +300,11 @@ def engine() -> Engine:
     if e is None or not _initialized:
         raise ValueError(NOT_INITIALIZED)
     return e
+
+
+def global_comm():
+    """The mpi4py communicator the running job was initialised with (``init(comm=...)`` under MPI), else None."""
+    return _global_comm if _initialized else None
 
 
 def is_initialized() -> bool:

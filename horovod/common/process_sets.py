@@ -77,6 +77,11 @@ class _GlobalProcessSet(ProcessSet):
         except ValueError:  # before the first init()
             return []
 
+    @property
+    def mpi_comm(self):  # type: ignore[override]
+        """The communicator given to ``init(comm=...)`` under MPI (upstream's), else None."""
+        return basics.global_comm()
+
     def _invalidate(self) -> None:
         pass  # the global set stays registered across init() generations
 

@@ -315,7 +315,11 @@ def mpi_job(comm: Any = None, *, threads: bool = True, iface: str | None = None)
     if comm is None:
         job = MPI.COMM_WORLD.Dup()
     elif isinstance(comm, (list, tuple)):
-        ranks = sorted({int(r) for r in comm})
+        # in the list's order, as upstream's MPI_Group_incl: comm=[3, 1] makes world rank 3 Horovod's rank 0
+        ranks = [int(r) for r in comm]
+        repeated = sorted({r for r in ranks if ranks.count(r) > 1})
+        if repeated:
+            raise ValueError(f"hvd.init(comm={list(comm)}): ranks {repeated} are listed more than once")
         world = MPI.COMM_WORLD
         if not ranks:
             job = world.Dup()

@@ -40,6 +40,19 @@ elif mode == "ranks":
         print("RANKS-OK", hvd.rank())
         hvd.shutdown()
     world.Barrier()
+elif mode == "ranks-unordered":
+    # upstream's MPI_Group_incl keeps the list's order: world rank 3 is Horovod rank 0 (ranks were sorted)
+    order = [3, 1]
+    if world.Get_rank() in order:
+        hvd.init(comm=order)
+        assert hvd.size() == 2 and hvd.rank() == order.index(world.Get_rank()), (hvd.rank(), world.Get_rank())
+        got = hvd.broadcast(np.array([world.Get_rank()], np.int64), root_rank=0, name="b")
+        assert got[0] == order[0], got
+        gathered = hvd.allgather(np.array([world.Get_rank()], np.int64), name="g")
+        assert gathered.tolist() == order, gathered
+        print("RANKS-UNORDERED-OK", hvd.rank())
+        hvd.shutdown()
+    world.Barrier()
 elif mode == "comm":
     sub = world.Split(color=world.Get_rank() % 2, key=world.Get_rank())
     hvd.init(comm=sub)

@@ -726,8 +726,10 @@ def test_mpi_args_without_mpi_are_named_not_dropped():
     when Horovod has MPI, so the arguments took effect): our default is the built-in transport, which dropped
     them without a word.  The launcher now says they are ignored and how to use them; the job still runs (the
     ranks' own sums checked), and under ``--mpi`` nothing is said."""
-    script = ("import numpy as np, horovod.numpy as hvd; hvd.init(); "
-              "print('SUM', hvd.allreduce(np.array([hvd.rank() + 1.0]), op=hvd.Sum)[0])")
+    # one write per line: mpirun's tagged output prefixes every chunk a rank writes, and print() may write a
+    # line in pieces ('SUM', ' ', '3.0')
+    script = ("import os, numpy as np, horovod.numpy as hvd; hvd.init(); "
+              "os.write(1, f'SUM {hvd.allreduce(np.array([hvd.rank() + 1.0]), op=hvd.Sum)[0]}\\n'.encode())")
     proc = horovodrun("-np", "2", "--mpi-args=--bind-to none", "--binding-args=--map-by core", sys.executable, "-c",
                       script)
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -15,6 +15,7 @@ group the strategy created (an inherited one stays).  The Horovod environment (r
 
 from __future__ import annotations
 
+import abc
 import logging
 from typing import Any
 
@@ -61,8 +62,8 @@ def share_node_gpus(node_ids: list[str], gpu_ids: list[list[Any]]) -> dict[str, 
     return {node: ",".join(str(i) for i in ids) for node, ids in per_node.items()}
 
 
-class BaseStrategy:
-    """A placement of the workers; subclasses set ``num_workers`` and ``create_workers``."""
+class BaseStrategy(abc.ABC):
+    """A placement of the workers; subclasses define ``num_workers`` and ``create_workers``."""
 
     placement_group: Any = None
     workers: list[Any] | None = None
@@ -70,11 +71,13 @@ class BaseStrategy:
     _created_placement_group = True
 
     @property
+    @abc.abstractmethod
     def num_workers(self) -> int:
-        raise NotImplementedError
+        """How many workers (ranks) the strategy places."""
 
+    @abc.abstractmethod
     def create_workers(self) -> tuple[list[Any], list[Any]]:
-        raise NotImplementedError
+        """Reserve the resources and start the workers: ``(workers in rank order, one worker per host)``."""
 
     @classmethod
     def get_node_workers(cls, workers: list[Any]) -> list[Any]:

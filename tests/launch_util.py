@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -21,6 +22,22 @@ def clean_env(**extra: str) -> dict[str, str]:
     env["PYTHONPATH"] = REPO + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env.update(extra)
     return env
+
+
+@contextlib.contextmanager
+def local_ray_driver_env():
+    """The environment a test's local Ray cluster starts its actors with (they inherit the driver's): no
+    ``HOROVOD_*`` variable of the outer run, this tree on ``PYTHONPATH``, one OpenMP thread; restored after."""
+    saved = dict(os.environ)
+    for k in [k for k in os.environ if k.startswith("HOROVOD_")]:
+        del os.environ[k]
+    os.environ["PYTHONPATH"] = os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 def launch(np_: int, command: list[str], *, env: dict[str, str] | None = None, timeout: float = 240.0):

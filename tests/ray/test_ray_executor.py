@@ -17,8 +17,7 @@ import time
 import numpy as np
 import psutil
 import pytest
-
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from launch_util import local_ray_driver_env
 
 try:
     import ray
@@ -41,16 +40,11 @@ pytestmark = pytest.mark.timeout(300)
 
 @pytest.fixture(scope="module", autouse=True)
 def ray_cluster():
-    env = {k: v for k, v in os.environ.items() if k.startswith("HOROVOD_")}
-    for k in env:  # the actors inherit the driver's environment on a local cluster
-        del os.environ[k]
-    os.environ["PYTHONPATH"] = os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    # 2 logical GPUs (no hardware needed): Ray hands out their ids, enough to check CUDA_VISIBLE_DEVICES
-    ray.init(num_cpus=4, num_gpus=2, include_dashboard=False, configure_logging=False)
-    yield
-    ray.shutdown()
-    os.environ.update(env)
+    with local_ray_driver_env():
+        # 2 logical GPUs (no hardware needed): Ray hands out their ids, enough to check CUDA_VISIBLE_DEVICES
+        ray.init(num_cpus=4, num_gpus=2, include_dashboard=False, configure_logging=False)
+        yield
+        ray.shutdown()
 
 
 def _settings(**kw):

@@ -15,8 +15,7 @@ import sys
 
 import numpy as np
 import pytest
-
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from launch_util import local_ray_driver_env
 
 # Ray Train V2 (the default since Ray 2.50) refuses HorovodTrainer; V1 runs it.  ray.train picks its version
 # when first imported, so this must come before that import.
@@ -40,19 +39,13 @@ pytestmark = pytest.mark.timeout(240)
 
 @pytest.fixture(scope="module")
 def ray_cluster(tmp_path_factory):
-    saved = dict(os.environ)
-    for k in [k for k in os.environ if k.startswith("HOROVOD_")]:
-        del os.environ[k]  # the actors inherit the driver's environment on a local cluster
-    os.environ["PYTHONPATH"] = os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    # 3 logical CPUs: the trainer actor takes one (it only waits), the two workers one each
-    ray.init(num_cpus=3, include_dashboard=False, configure_logging=False)
-    try:
-        yield tmp_path_factory.mktemp("ray_results")
-    finally:
-        ray.shutdown()
-        os.environ.clear()
-        os.environ.update(saved)
+    with local_ray_driver_env():
+        # 3 logical CPUs: the trainer actor takes one (it only waits), the two workers one each
+        ray.init(num_cpus=3, include_dashboard=False, configure_logging=False)
+        try:
+            yield tmp_path_factory.mktemp("ray_results")
+        finally:
+            ray.shutdown()
 
 
 def test_coordinator_layout_like_upstream():

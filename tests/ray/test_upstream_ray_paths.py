@@ -13,8 +13,7 @@ import sys
 
 import numpy as np
 import pytest
-
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from launch_util import local_ray_driver_env
 
 try:
     import ray
@@ -37,15 +36,10 @@ pytestmark = pytest.mark.timeout(300)
 
 @pytest.fixture(scope="module", autouse=True)
 def ray_cluster():
-    env = {k: v for k, v in os.environ.items() if k.startswith("HOROVOD_")}
-    for k in env:  # the actors inherit the driver's environment on a local cluster
-        del os.environ[k]
-    os.environ["PYTHONPATH"] = os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    ray.init(num_cpus=2, include_dashboard=False, configure_logging=False)
-    yield
-    ray.shutdown()
-    os.environ.update(env)
+    with local_ray_driver_env():
+        ray.init(num_cpus=2, include_dashboard=False, configure_logging=False)
+        yield
+        ray.shutdown()
 
 
 def _settings(**kw):

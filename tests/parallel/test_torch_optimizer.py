@@ -457,6 +457,13 @@ def test_error_paths():
         hvd.DistributedOptimizer(sgd, groups=[[p], [p]])
 
 
+def _per_rank_batches(steps: int) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    """``[step][rank] -> (x, y)``: every rank's batch of every step, the same on every rank (seeded)."""
+    return [[(torch.randn(5, 6, generator=torch.Generator().manual_seed(100 * s + k)),
+              torch.randn(5, 3, generator=torch.Generator().manual_seed(999 + 100 * s + k))) for k in range(SIZE)]
+            for s in range(steps)]
+
+
 @pytest.mark.parametrize("compression", ["none", "fp16"])
 def test_adasum_combines_the_deltas_of_each_ranks_own_step(compression):
     """op=Adasum (upstream's delta optimizer): every rank steps its own optimizer (its own momentum) on its
@@ -464,9 +471,7 @@ def test_adasum_combines_the_deltas_of_each_ranks_own_step(compression):
     here on copies, and the deltas combined with upstream's test reference."""
     if SIZE == 1:
         pytest.skip("a single rank takes the plain optimizer's path")
-    data = [[(torch.randn(5, 6, generator=torch.Generator().manual_seed(100 * s + k)),
-              torch.randn(5, 3, generator=torch.Generator().manual_seed(999 + 100 * s + k))) for k in range(SIZE)]
-            for s in range(3)]
+    data = _per_rank_batches(steps=3)
     model = make_model()
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
                                    named_parameters=model.named_parameters(), op=hvd.Adasum,
@@ -510,9 +515,7 @@ def test_adasum_a_layer_unfrozen_after_wrapping_is_combined():
     upstream's test reference."""
     if SIZE == 1:
         pytest.skip("a single rank takes the plain optimizer's path")
-    data = [[(torch.randn(5, 6, generator=torch.Generator().manual_seed(100 * s + k)),
-              torch.randn(5, 3, generator=torch.Generator().manual_seed(999 + 100 * s + k))) for k in range(SIZE)]
-            for s in range(3)]
+    data = _per_rank_batches(steps=3)
     model = make_model()
     model[0].requires_grad_(False)
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),

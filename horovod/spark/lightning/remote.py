@@ -60,7 +60,9 @@ def _store_checkpoint_callback(pl: Any, path: str, remote_store: Any, rank: int)
         """After each epoch: the full checkpoint (all ranks call, rank 0 writes), the run directory to the store."""
 
         def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
-            trainer.save_checkpoint(path)
+            # weights_only=False is Lightning's default, but left unset Lightning logs a notice saying so, on
+            # every rank after every epoch
+            trainer.save_checkpoint(path, weights_only=False)
             if rank == 0 and remote_store.saving_runs:
                 remote_store.sync(os.path.dirname(path))
 

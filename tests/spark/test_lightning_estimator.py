@@ -52,6 +52,10 @@ def test_strategy_matches_single_process_reference(flavour):
     result = json.loads(line.split("RESULT ", 1)[1])
     ranks = np.array(result["weights"])
     np.testing.assert_array_equal(ranks[0], ranks[1])  # one model on every rank
+    # ranks hold 1 and 2; torch's ReduceOp.SUM (an enum whose value is 0) was taken for the default, the mean, so
+    # every all-ranks decision (a user ModelCheckpoint's "new best") came out False on 2 ranks
+    assert result["reductions"] == {"mean": 1.5, "sum": 3.0, "max": 2.0, "min": 1.0, "ReduceOp.SUM": 3.0}
+    assert result["decisions"] == [True, False, True, False]
 
     torch.manual_seed(0)
     reference = torch.nn.Linear(3, 1)

@@ -171,6 +171,25 @@ def test_estimator_learns_transform_matches_and_resumes(regression, tmp_path, ca
     check_regression(resumed, regression, trained, trained.linear.weight, trained.linear.bias)
 
 
+def test_a_user_model_checkpoint_gives_the_best_module(regression, tmp_path):
+    """With a user ``ModelCheckpoint`` the returned module is its best checkpoint's (upstream's behaviour):
+    ``mode="max"`` makes that the first epoch's, whose validation error, computed here, is above the last's."""
+    store = Store.create(str(tmp_path))
+    checkpoint = pl.callbacks.ModelCheckpoint(monitor="val_loss", mode="max", save_top_k=1)
+    fitted = _estimator(store, 3, callbacks=[checkpoint]).fit(regression)
+    saved = [f for f in store.list_files(store.get_run_path("lightning_run")) if f.endswith(".ckpt")]
+    assert [os.path.basename(f) for f in saved] == ["epoch=0-step=8.ckpt"], saved
+    with open(store.get_localized_path(saved[0]), "rb") as f:
+        best = torch.load(f, map_location="cpu", weights_only=False)["state_dict"]
+    returned = fitted.getModel().state_dict()
+    for name in ("linear.weight", "linear.bias"):
+        torch.testing.assert_close(returned[name], best[name])
+    rows = regression.filter("is_val").collect()
+    x, y = np.stack([r["features"].toArray() for r in rows]), np.array([r["y"] for r in rows])
+    w, b = returned["linear.weight"].numpy().ravel(), returned["linear.bias"].numpy()
+    assert np.mean((x @ w + b - y) ** 2) > 2 * fitted.getHistory()["val_loss"]  # not the last epoch's module
+
+
 def test_a_pytorch_lightning_module_is_accepted(tmp_path):
     """Upstream's examples subclass ``pytorch_lightning.LightningModule`` (a class distinct from
     ``lightning.pytorch``'s when both are installed): the estimator takes it and trains it with that package."""

@@ -139,6 +139,11 @@ def train(spec: LightningSpec) -> dict[str, Any] | None:
         trainer_args.update(spec.trainer_args or {})
         trainer = pl.Trainer(**trainer_args)
         trainer.fit(model, train_dataloaders=train_loader, val_dataloaders=val_loader, ckpt_path=resume)
+        # As upstream: with a user ModelCheckpoint, the module returned is that of its best checkpoint (rank 0
+        # wrote it), not the last epoch's
+        best = next((c.best_model_path for c in callbacks if isinstance(c, pl.callbacks.ModelCheckpoint)), "")
+        if rank == 0 and best and os.path.exists(best):
+            model.load_state_dict(torch.load(best, map_location="cpu", weights_only=False)["state_dict"])
     if rank != 0:
         return None
     metrics = {k: float(v) if isinstance(v, torch.Tensor) and v.numel() == 1 else v

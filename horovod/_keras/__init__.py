@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import warnings
 from typing import Any
 
 import keras
@@ -47,7 +48,10 @@ def _keras2_optimizer_spelling() -> None:
       first step): every Keras optimizer's ``variables`` is a :class:`CallableList` (Keras' base class and
       the classes that override it, such as ``LossScaleOptimizer``);
     * ``optimizer.lr`` (the elastic examples' reset callbacks ``set_value(optimizer.lr, ...)``): an alias
-      of ``learning_rate``, as it was in Keras 2 (see :func:`_lr`).
+      of ``learning_rate``, as it was in Keras 2 (see :func:`_lr`);
+    * the constructor argument ``lr=`` (the Spark Rossmann example's ``Adam(lr=..., epsilon=1e-3)``), which
+      Keras 3 refuses ("Argument(s) not recognized"): taken as ``learning_rate``, with Keras 2's deprecation
+      warning.
     """
     try:
         from keras.src.optimizers.base_optimizer import BaseOptimizer
@@ -66,6 +70,26 @@ def _keras2_optimizer_spelling() -> None:
     if not hasattr(BaseOptimizer, "lr"):
         BaseOptimizer.lr = property(_lr, lambda self, value: setattr(self, "learning_rate", value),
                                     doc="Keras 2's name of ``learning_rate``.")
+    if not getattr(BaseOptimizer.__init__, "_horovod", False):
+        BaseOptimizer.__init__ = _accept_lr(BaseOptimizer.__init__)
+
+
+def _accept_lr(init):
+    """``BaseOptimizer.__init__`` taking Keras 2's ``lr`` for ``learning_rate`` (Keras 2 let ``lr`` win over the
+    subclass's default ``learning_rate``, which is what reaches the base class here)."""
+
+    @functools.wraps(init)
+    def __init__(self, *args, lr=None, **kwargs):
+        if lr is not None:
+            warnings.warn("The `lr` argument is deprecated, use `learning_rate` instead.", UserWarning, stacklevel=3)
+            if args:
+                args = (lr, *args[1:])
+            else:
+                kwargs["learning_rate"] = lr
+        init(self, *args, **kwargs)
+
+    __init__._horovod = True  # type: ignore[attr-defined]
+    return __init__
 
 
 def _lr(optimizer):

@@ -771,6 +771,25 @@ def test_keras2_optimizer_spelling_of_upstreams_examples():
         assert np.isclose(float(tf.keras.backend.get_value(opt.lr)), 0.5)
 
 
+def test_keras2_lr_argument_of_upstreams_examples():
+    """``Adam(lr=..., epsilon=1e-3)`` (upstream's Spark Rossmann example; Keras 3 refused ``lr``) steps as
+    ``Adam(learning_rate=...)`` does, with Keras 2's deprecation warning."""
+    grad = tf.constant([0.5, -2.0, 0.0])
+    for make in (lambda **kw: keras.optimizers.Adam(epsilon=1e-3, **kw), lambda **kw: keras.optimizers.SGD(**kw)):
+        with pytest.warns(UserWarning, match="The `lr` argument is deprecated, use `learning_rate` instead"):
+            legacy = make(lr=0.25)
+        reference = make(learning_rate=0.25)
+        assert np.isclose(float(legacy.learning_rate), 0.25)
+        stepped = []
+        for opt in (legacy, reference):
+            var = tf.Variable([1.0, 2.0, 3.0])
+            opt.apply_gradients([(grad, var)])
+            stepped.append(var.numpy())
+        np.testing.assert_allclose(stepped[0], stepped[1])
+        assert not np.allclose(stepped[0], [1.0, 2.0, 3.0])
+    np.testing.assert_allclose(stepped[0], [1.0 - 0.125, 2.5, 3.0])  # SGD by hand: var - 0.25 * grad
+
+
 def test_explicit_jit_compile_is_refused_naming_it():
     """jit_compile=True failed when the step ran, with XLA's 'RET_CHECK failure ... is_initialized'."""
     model = make_model()

@@ -56,9 +56,18 @@ def main() -> None:
                          accumulate_grad_batches=int(os.environ.get("TEST_ACCUMULATE", "1")))
     trainer.fit(model, batches)
     weights = hvd.allgather(torch.cat([model.linear.weight.detach().ravel(), model.linear.bias.detach()])[None])
+    # What ModelCheckpoint/EarlyStopping ask the strategy (Lightning passes torch.distributed.ReduceOp.SUM)
+    from torch.distributed import ReduceOp
+
+    strategy, mine = trainer.strategy, torch.tensor(float(hvd.rank() + 1))
+    reductions = {op: float(strategy.reduce(mine, reduce_op=op)) for op in ("mean", "sum", "max", "min")}
+    reductions["ReduceOp.SUM"] = float(strategy.reduce(mine, reduce_op=ReduceOp.SUM))
+    decisions = [strategy.reduce_boolean_decision(True), strategy.reduce_boolean_decision(hvd.rank() == 0),
+                 strategy.reduce_boolean_decision(hvd.rank() == 0, all=False),
+                 strategy.reduce_boolean_decision(False, all=False)]
     if hvd.rank() == 0:
-        print("RESULT " + json.dumps({"weights": weights.tolist(), "loss": float(trainer.logged_metrics["loss"])}),
-              flush=True)
+        print("RESULT " + json.dumps({"weights": weights.tolist(), "loss": float(trainer.logged_metrics["loss"]),
+                                      "reductions": reductions, "decisions": decisions}), flush=True)
 
 
 if __name__ == "__main__":

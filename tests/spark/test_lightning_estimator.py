@@ -52,6 +52,10 @@ def test_strategy_matches_single_process_reference(flavour):
     result = json.loads(line.split("RESULT ", 1)[1])
     ranks = np.array(result["weights"])
     np.testing.assert_array_equal(ranks[0], ranks[1])  # one model on every rank
+    # ranks hold 1 and 2; torch's ReduceOp.SUM (an enum whose value is 0) was taken for the default, the mean, so
+    # every all-ranks decision (a user ModelCheckpoint's "new best") came out False on 2 ranks
+    assert result["reductions"] == {"mean": 1.5, "sum": 3.0, "max": 2.0, "min": 1.0, "ReduceOp.SUM": 3.0}
+    assert result["decisions"] == [True, False, True, False]
 
     torch.manual_seed(0)
     reference = torch.nn.Linear(3, 1)
@@ -148,9 +152,11 @@ def _estimator(store, epochs, **kwargs):
     return TorchEstimator(**params)
 
 
-def test_estimator_learns_transform_matches_and_resumes(regression, tmp_path):
+def test_estimator_learns_transform_matches_and_resumes(regression, tmp_path, capsys):
     store = Store.create(str(tmp_path))
     first = _estimator(store, 2).fit(regression)
+    # the per-epoch checkpoint asks for the full checkpoint: no Lightning notice on every rank every epoch
+    assert "`weights_only` was not set" not in capsys.readouterr().err
     assert isinstance(first, TorchModel) and first.getRunId() == "lightning_run"
     assert set(first.getHistory()) >= {"train_loss", "val_loss"}
     assert (int(first.getModel().started_at), int(first.getModel().ended_at)) == (0, 2)
@@ -163,6 +169,25 @@ def test_estimator_learns_transform_matches_and_resumes(regression, tmp_path):
     assert (int(trained.started_at), int(trained.ended_at)) == (2, 5)  # after the checkpoint's 2 epochs, 3 more
     assert resumed.getHistory()["val_loss"] < first.getHistory()["val_loss"]
     check_regression(resumed, regression, trained, trained.linear.weight, trained.linear.bias)
+
+
+def test_a_user_model_checkpoint_gives_the_best_module(regression, tmp_path):
+    """With a user ``ModelCheckpoint`` the returned module is its best checkpoint's (upstream's behaviour):
+    ``mode="max"`` makes that the first epoch's, whose validation error, computed here, is above the last's."""
+    store = Store.create(str(tmp_path))
+    checkpoint = pl.callbacks.ModelCheckpoint(monitor="val_loss", mode="max", save_top_k=1)
+    fitted = _estimator(store, 3, callbacks=[checkpoint]).fit(regression)
+    saved = [f for f in store.list_files(store.get_run_path("lightning_run")) if f.endswith(".ckpt")]
+    assert [os.path.basename(f) for f in saved] == ["epoch=0-step=8.ckpt"], saved
+    with open(store.get_localized_path(saved[0]), "rb") as f:
+        best = torch.load(f, map_location="cpu", weights_only=False)["state_dict"]
+    returned = fitted.getModel().state_dict()
+    for name in ("linear.weight", "linear.bias"):
+        torch.testing.assert_close(returned[name], best[name])
+    rows = regression.filter("is_val").collect()
+    x, y = np.stack([r["features"].toArray() for r in rows]), np.array([r["y"] for r in rows])
+    w, b = returned["linear.weight"].numpy().ravel(), returned["linear.bias"].numpy()
+    assert np.mean((x @ w + b - y) ** 2) > 2 * fitted.getHistory()["val_loss"]  # not the last epoch's module
 
 
 def test_a_pytorch_lightning_module_is_accepted(tmp_path):

@@ -60,7 +60,9 @@ def _store_checkpoint_callback(pl: Any, path: str, remote_store: Any, rank: int)
         """After each epoch: the full checkpoint (all ranks call, rank 0 writes), the run directory to the store."""
 
         def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
-            trainer.save_checkpoint(path)
+            # weights_only=False is Lightning's default, but left unset Lightning logs a notice saying so, on
+            # every rank after every epoch
+            trainer.save_checkpoint(path, weights_only=False)
             if rank == 0 and remote_store.saving_runs:
                 remote_store.sync(os.path.dirname(path))
 
@@ -137,6 +139,11 @@ def train(spec: LightningSpec) -> dict[str, Any] | None:
         trainer_args.update(spec.trainer_args or {})
         trainer = pl.Trainer(**trainer_args)
         trainer.fit(model, train_dataloaders=train_loader, val_dataloaders=val_loader, ckpt_path=resume)
+        # As upstream: with a user ModelCheckpoint, the module returned is that of its best checkpoint (rank 0
+        # wrote it), not the last epoch's
+        best = next((c.best_model_path for c in callbacks if isinstance(c, pl.callbacks.ModelCheckpoint)), "")
+        if rank == 0 and best and os.path.exists(best):
+            model.load_state_dict(torch.load(best, map_location="cpu", weights_only=False)["state_dict"])
     if rank != 0:
         return None
     metrics = {k: float(v) if isinstance(v, torch.Tensor) and v.numel() == 1 else v

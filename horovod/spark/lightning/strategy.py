@@ -123,19 +123,22 @@ def _strategy_class(pl: ModuleType) -> type:
             return hvd.broadcast_object(obj, root_rank=src)
 
         def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
-            """Average (default) or sum ``tensor`` over the ranks; anything not a tensor is returned as is."""
+            """Average (default), sum, max or min of ``tensor`` over the ranks; ``reduce_op`` a name or a
+            ``torch.distributed.ReduceOp`` (Lightning's ``reduce_boolean_decision`` passes ``ReduceOp.SUM``);
+            anything not a tensor is returned as is."""
             import horovod.torch as hvd
 
             if group is not None:
                 raise ValueError("HorovodStrategy.reduce: process groups are not supported; leave group unset")
             if not isinstance(tensor, torch.Tensor):
                 return tensor
-            op = str(getattr(reduce_op, "value", reduce_op) or "mean").lower()
-            if op in ("mean", "avg", "reduceop.avg"):
-                return hvd.allreduce(tensor, op=hvd.Average)
-            if op in ("sum", "reduceop.sum"):
-                return hvd.allreduce(tensor, op=hvd.Sum)
-            raise ValueError(f"HorovodStrategy.reduce: unsupported reduce_op {reduce_op!r} (mean or sum)")
+            # By name: torch's ReduceOp members are enums whose value of SUM is 0, which a truth test took for
+            # "unset" (the mean), so every all-ranks boolean decision came out False
+            op = "mean" if reduce_op is None else str(getattr(reduce_op, "name", reduce_op)).lower()
+            ops = {"mean": hvd.Average, "avg": hvd.Average, "sum": hvd.Sum, "max": hvd.Max, "min": hvd.Min}
+            if op not in ops:
+                raise ValueError(f"HorovodStrategy.reduce: unsupported reduce_op {reduce_op!r} (mean, sum, max or min)")
+            return hvd.allreduce(tensor, op=ops[op])
 
         def all_gather(self, tensor: torch.Tensor, group: Any = None, sync_grads: bool = False) -> torch.Tensor:
             """``tensor`` of every rank stacked along a new first dimension (Lightning's contract)."""

@@ -5,8 +5,8 @@ Standalone on purpose (standard library only, nothing from horovod): the launche
 horovod may live elsewhere.  The first line of stdin is the worker's description, JSON
 ``{"command", "grace", "local", ["cwd"], ["env"]}``; the rest of stdin is the lifeline: end of file means
 the launcher (or the ssh connection) is gone, and nobody else will stop the worker.  The watchdog then
-sends SIGTERM to the worker's process group, waits up to ``grace`` seconds for the worker, and SIGKILLs the
-group -- grandchildren included, whatever the command is.
+sends SIGTERM (and SIGCONT, for a stopped worker) to the worker's process group, waits up to ``grace``
+seconds for the worker, and SIGKILLs the group -- grandchildren included, whatever the command is.
 
 ``local``: the worker shares the watchdog's process group (the launcher made the watchdog a session
 leader), so the launcher's group signals reach the worker directly and the watchdog only waits for it,
@@ -102,6 +102,10 @@ def main():
                 os.killpg(pgid, signal.SIGTERM)
             except OSError:
                 return
+            try:  # a stopped (SIGSTOP) worker acts on SIGTERM only once resumed: it waited out the grace
+                os.killpg(pgid, signal.SIGCONT)
+            except OSError:
+                pass
             end = time.monotonic() + grace
             while p.poll() is None and time.monotonic() < end:
                 time.sleep(0.02)

@@ -41,8 +41,12 @@ class ElasticJob:
     """One ``horovodrun`` elastic job in ``tmp``; ``stop()`` always leaves nothing running."""
 
     def __init__(self, tmp: Path, hosts: list[str], args: list[str], *, samples: int = 48, batch: int = 2,
-                 epochs: int = 2, sleep: float = 0.08, env: dict[str, str] | None = None,
-                 prefix: list[str] | None = None, worker: str = "worker_numpy.py") -> None:
+                 epochs: int = 2, sleep: float = 0.08, sleep_after_resize: float | None = None, resizes: int = 1,
+                 env: dict[str, str] | None = None, prefix: list[str] | None = None,
+                 worker: str = "worker_numpy.py") -> None:
+        """``sleep``: each step's pause, which gives a test the time to act mid-job; ``sleep_after_resize``: the
+        pause once the world changed size ``resizes`` times (default ``sleep``), 0 where the test then only waits
+        for the job's end."""
         self.tmp = tmp
         self.out = tmp / "out"
         self.out.mkdir()
@@ -57,6 +61,9 @@ class ElasticJob:
         full_env.update(FAST_ENV)
         full_env.update({"TEST_OUT": str(self.out), "TEST_SAMPLES": str(samples), "TEST_BATCH": str(batch),
                          "TEST_EPOCHS": str(epochs), "TEST_STEP_SLEEP": str(sleep),
+                         "TEST_STEP_SLEEP_AFTER_RESIZE": str(sleep_after_resize if sleep_after_resize is not None
+                                                             else sleep),
+                         "TEST_RESIZES": str(resizes),
                          "PYTHONPATH": str(REPO) + os.pathsep + full_env.get("PYTHONPATH", "")})
         full_env.update(env or {})
         self.log = open(tmp / "driver.log", "wb")

@@ -29,7 +29,7 @@ def test_fault_free(elastic_job):
 
 
 def test_kill_worker_mid_epoch(elastic_job):
-    job = elastic_job(TWO_HOSTS, ARGS)
+    job = elastic_job(TWO_HOSTS, ARGS, sleep_after_resize=0.0)
     job.wait_steps(5, size=2)
     os.kill(job.pid("127.0.0.1:0"), signal.SIGKILL)
     assert job.wait() == 0, job.output()
@@ -40,7 +40,7 @@ def test_kill_worker_mid_epoch(elastic_job):
 
 
 def test_kill_rank_zero(elastic_job):
-    job = elastic_job(TWO_HOSTS, ARGS)
+    job = elastic_job(TWO_HOSTS, ARGS, sleep_after_resize=0.0)
     job.wait_steps(5, size=2)
     os.kill(job.pid("localhost:0"), signal.SIGKILL)
     assert job.wait() == 0, job.output()
@@ -49,7 +49,7 @@ def test_kill_rank_zero(elastic_job):
 
 
 def test_host_removed(elastic_job):
-    job = elastic_job(TWO_HOSTS, ARGS)
+    job = elastic_job(TWO_HOSTS, ARGS, sleep_after_resize=0.0)
     job.wait_steps(5, size=2)
     job.set_hosts(["localhost:1"])
     assert job.wait() == 0, job.output()
@@ -82,7 +82,7 @@ def test_host_removed_and_added_back_before_its_worker_exited(elastic_job):
 
 
 def test_host_added(elastic_job):
-    job = elastic_job(["localhost:1"], ["-np", "1", "--min-np", "1", "--max-np", "2"])
+    job = elastic_job(["localhost:1"], ["-np", "1", "--min-np", "1", "--max-np", "2"], sleep_after_resize=0.0)
     job.wait_steps(4, size=1)
     job.set_hosts(TWO_HOSTS)
     assert job.wait() == 0, job.output()
@@ -91,7 +91,7 @@ def test_host_added(elastic_job):
 
 
 def test_hung_worker(elastic_job):
-    job = elastic_job(TWO_HOSTS, ARGS)
+    job = elastic_job(TWO_HOSTS, ARGS, sleep_after_resize=0.0)
     job.wait_steps(5, size=2)
     pid = job.pid("127.0.0.1:0")
     os.kill(pid, signal.SIGSTOP)
@@ -108,7 +108,7 @@ def test_busy_worker_is_not_taken_for_hung(elastic_job):
     alive, only busy, and leaves the generation at its next collective.  The driver killed it as hung once the
     grace period (4 s here) was over and blacklisted its host, so the job failed with both hosts blacklisted
     (upstream waits for it).  Workers now send a heartbeat: only one that stops is hung."""
-    job = elastic_job(TWO_HOSTS, ARGS, env={"TEST_BUSY": "localhost:0:5:10"})
+    job = elastic_job(TWO_HOSTS, ARGS, sleep_after_resize=0.0, env={"TEST_BUSY": "localhost:0:5:10"})
     deadline = time.monotonic() + 60
     while not (job.out / "busy").exists():
         assert time.monotonic() < deadline and job.proc.poll() is None, job.output()
@@ -122,7 +122,7 @@ def test_busy_worker_is_not_taken_for_hung(elastic_job):
 
 
 def test_failure_during_commit(elastic_job):
-    job = elastic_job(TWO_HOSTS, ARGS, env={"TEST_DIE_IN_COMMIT": "127.0.0.1:0:6"})
+    job = elastic_job(TWO_HOSTS, ARGS, sleep_after_resize=0.0, env={"TEST_DIE_IN_COMMIT": "127.0.0.1:0:6"})
     assert job.wait() == 0, job.output()
     assert (job.out / "died_in_commit").exists()
     assert job.assert_exact()["sizes"] == [2, 1]

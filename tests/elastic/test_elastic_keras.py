@@ -20,7 +20,7 @@ pytestmark = pytest.mark.timeout(120) if hasattr(pytest.mark, "timeout") else []
 
 def test_keras_kill_worker_mid_epoch(elastic_job):
     job = elastic_job(["localhost:1", "127.0.0.1:1"], ["-np", "2", "--min-np", "1", "--max-np", "2"],
-                      worker="worker_keras.py", samples=48, batch=2, epochs=2, sleep=0.05)
+                      worker="worker_keras.py", samples=48, batch=2, epochs=2, sleep=0.05, sleep_after_resize=0.0)
     job.wait_steps(5, size=2, timeout=90)
     epoch, _, _ = job.progress()
     assert epoch == 0  # mid-epoch: 12 steps per epoch on 2 workers
@@ -87,7 +87,7 @@ def test_keras_worker_joins_a_job_traced_at_size_one(elastic_job):
     reduce with the newcomer (it was traced without any allreduce -- the newcomer waited for the old rank's
     gradients until the stall deadline, then the same again in every generation)."""
     job = elastic_job(["localhost:1"], ["-np", "1", "--min-np", "1", "--max-np", "2"],
-                      worker="worker_keras.py", samples=48, batch=2, epochs=2, sleep=0.05,
+                      worker="worker_keras.py", samples=48, batch=2, epochs=2, sleep=0.05, sleep_after_resize=0.0,
                       env={"TEST_HOLD_UNTIL_SIZE": "2"})  # slow steps at size 1: the newcomer joins mid-job
     job.wait_steps(4, size=1, timeout=90)
     job.set_hosts(["localhost:1", "127.0.0.1:1"])

@@ -9,7 +9,7 @@ moves ``w`` by ``lr * y_i * x_i`` whatever the batch boundaries and world sizes,
 
 Writes like worker_numpy.py: ``pids/<slot>.<pid>``, ``progress`` after each commit (rank 0) and
 ``result.json`` at the end.  Environment: TEST_OUT, TEST_SAMPLES, TEST_BATCH, TEST_EPOCHS, TEST_STEP_SLEEP,
-TEST_HOLD_UNTIL_SIZE.
+TEST_STEP_SLEEP_AFTER_RESIZE and TEST_RESIZES (as in worker_numpy.py), TEST_HOLD_UNTIL_SIZE.
 """
 
 import json
@@ -33,6 +33,8 @@ N = int(os.environ.get("TEST_SAMPLES", "48"))
 BS = int(os.environ.get("TEST_BATCH", "2"))
 EPOCHS = int(os.environ.get("TEST_EPOCHS", "2"))
 SLEEP = float(os.environ.get("TEST_STEP_SLEEP", "0.05"))
+SLEEP_AFTER_RESIZE = float(os.environ.get("TEST_STEP_SLEEP_AFTER_RESIZE", SLEEP))
+RESIZES = int(os.environ.get("TEST_RESIZES", "1"))
 # steps after the 4th last at least 0.5 s while the world is smaller than this: time for a new worker to start
 HOLD_UNTIL_SIZE = int(os.environ.get("TEST_HOLD_UNTIL_SIZE", "0"))
 
@@ -80,7 +82,10 @@ class Account(keras.callbacks.Callback):
         state.uses += hvd.allreduce(np.bincount(mine, minlength=N), op=hvd.Sum, name="uses").numpy().astype(
             np.int64)
         state.steps += 1
-        time.sleep(0.5 if hvd.size() < HOLD_UNTIL_SIZE and state.steps >= 4 else SLEEP)
+        if hvd.size() < HOLD_UNTIL_SIZE and state.steps >= 4:
+            time.sleep(0.5)
+        else:
+            time.sleep(SLEEP if len(state.sizes) <= RESIZES else SLEEP_AFTER_RESIZE)
 
 
 class Progress(keras.callbacks.Callback):

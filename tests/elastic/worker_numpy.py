@@ -7,6 +7,9 @@ duplicated sample changes both.  Rank 0 writes ``progress`` after each commit an
 end; every worker registers ``pids/<slot>.<pid>`` so the test can kill or stop it.
 
 Environment: TEST_OUT (directory), TEST_SAMPLES, TEST_BATCH, TEST_EPOCHS, TEST_STEP_SLEEP,
+TEST_STEP_SLEEP_AFTER_RESIZE (the step sleep once the world changed size TEST_RESIZES times, default once;
+default TEST_STEP_SLEEP: a test that only needs the job to finish after its last fault sets 0 and does not wait
+for the remaining steps),
 TEST_DIE_IN_COMMIT=<slot>:<global step> (SIGKILL itself inside commit(), once),
 TEST_SLOW_REMOVED_EXIT=<seconds> (a worker told it was removed prints its traceback, touches
 ``removed_exiting`` and takes that long to exit, as a large process does),
@@ -41,6 +44,8 @@ N = int(os.environ.get("TEST_SAMPLES", "40"))
 BS = int(os.environ.get("TEST_BATCH", "2"))
 EPOCHS = int(os.environ.get("TEST_EPOCHS", "2"))
 SLEEP = float(os.environ.get("TEST_STEP_SLEEP", "0.05"))
+SLEEP_AFTER_RESIZE = float(os.environ.get("TEST_STEP_SLEEP_AFTER_RESIZE", SLEEP))
+RESIZES = int(os.environ.get("TEST_RESIZES", "1"))
 DIE_IN_COMMIT = os.environ.get("TEST_DIE_IN_COMMIT", "")
 DIE_IN_MESH = os.environ.get("TEST_DIE_IN_MESH", "")
 SLOT = os.environ.get("HOROVOD_ELASTIC_SLOT", "?")
@@ -144,7 +149,10 @@ def train(state):
             state.counts += counts
             state.steps += 1
             state.sampler.record_batch(step, BS)
-            time.sleep(0.5 if hvd.size() < HOLD_UNTIL_SIZE else SLEEP)
+            if hvd.size() < HOLD_UNTIL_SIZE:
+                time.sleep(0.5)
+            else:
+                time.sleep(SLEEP if len(state.sizes) <= RESIZES else SLEEP_AFTER_RESIZE)
             commit(state)
             if hvd.rank() == 0:
                 write("progress", f"{state.epoch} {state.steps} {hvd.size()}")

@@ -6,6 +6,7 @@ process group.  The workers here never call ``hvd.init()`` -- the guarantee must
 running inside them -- and each starts a child, so grandchildren are checked too.
 """
 
+import json
 import os
 import signal
 import subprocess
@@ -186,3 +187,38 @@ def test_child_left_behind_by_a_finished_worker_is_ended(tmp_path):
         assert not _wait_gone(children, GONE_WITHIN)
     finally:
         kill_marked(tmp_path.name)
+
+
+def test_a_stopped_worker_goes_at_once_when_its_watchdog_is_orphaned():
+    """A SIGSTOPped worker (a hung remote worker whose ssh connection the driver closed) cannot act on SIGTERM
+    until it is resumed: the watchdog sends SIGCONT with it, so the worker ends at once instead of after the
+    grace period (here 60 s) and SIGKILL."""
+    from horovod.runner.spawn import WATCHDOG_PATH
+
+    cfg = {"command": [sys.executable, "-c", "import time; time.sleep(300)"], "grace": 60, "local": False}
+    watchdog = subprocess.Popen([sys.executable, "-I", WATCHDOG_PATH], stdin=subprocess.PIPE,
+                                env=clean_env(), start_new_session=True)
+    worker = None
+    try:
+        watchdog.stdin.write((json.dumps(cfg) + "\n").encode())
+        watchdog.stdin.flush()
+        deadline = time.monotonic() + 30
+        while not psutil.Process(watchdog.pid).children():
+            assert time.monotonic() < deadline, "the watchdog started no worker"
+            time.sleep(0.05)
+        worker = psutil.Process(watchdog.pid).children()[0]
+        os.kill(worker.pid, signal.SIGSTOP)
+        watchdog.stdin.close()  # the lifeline: the launcher (or ssh) is gone
+        started = time.monotonic()
+        assert watchdog.wait(timeout=30) == 128 + signal.SIGTERM
+        assert time.monotonic() - started < 10, "the stopped worker waited out the grace period"
+        assert not _wait_gone([worker.pid], 5)
+    finally:
+        if watchdog.poll() is None:
+            os.killpg(watchdog.pid, signal.SIGKILL)
+            watchdog.wait()
+        if worker is not None:  # a group of its own (a remote worker's): the watchdog's group kill misses it
+            try:
+                worker.kill()
+            except psutil.NoSuchProcess:
+                pass

@@ -123,7 +123,7 @@ def elastic_job(tmp_path):
 def test_remote_worker_killed(netns_hosts, elastic_job):
     """Launcher inside hvdh1, workers on hvdh2 and hvdh3; kill -9 of the hvdh3 worker mid-epoch."""
     job = _job(elastic_job, netns_hosts, ["hvdh2:1", "hvdh3:1"], ["-np", "2", "--min-np", "1", "--max-np", "2"],
-               in_ns="hvdh1")
+               in_ns="hvdh1", sleep_after_resize=0.0)
     tracker = Tracker(job)
     tracker.wait_steps(5, size=2)
     victim = job.pid("hvdh3:0")
@@ -165,7 +165,7 @@ def test_remote_host_removed_then_added(netns_hosts, elastic_job):
 def test_remote_worker_hung(netns_hosts, elastic_job):
     """A SIGSTOPped worker on hvdh3: the driver kills its ssh client and the remote wrapper kills the worker."""
     job = _job(elastic_job, netns_hosts, ["hvdh2:1", "hvdh3:1"], ["-np", "2", "--min-np", "1", "--max-np", "2"],
-               in_ns="hvdh1")
+               in_ns="hvdh1", sleep_after_resize=0.0)
     tracker = Tracker(job)
     tracker.wait_steps(5, size=2)
     victim = job.pid("hvdh3:0")

@@ -62,7 +62,10 @@ def cluster():
     os.environ.update(env)
 
 
-def _train(n, bs, epochs, sleep, out):
+def _train(n, bs, epochs, sleep, out, sleep_after_resize=None):
+    """``sleep``: each step's pause, which keeps the job running while the test changes the cluster;
+    ``sleep_after_resize``: the pause once the world changed size (default ``sleep``; 0 where the test then only
+    waits for the job's end)."""
     import horovod.numpy as hvd
     from horovod.common import elastic
     from horovod.common.elastic_sampler import ElasticSampler
@@ -95,7 +98,7 @@ def _train(n, bs, epochs, sleep, out):
                 state.counts += counts
                 state.steps += 1
                 state.sampler.record_batch(step, bs)
-                time.sleep(sleep)
+                time.sleep(sleep if len(state.sizes) < 2 or sleep_after_resize is None else sleep_after_resize)
                 state.commit()
             state.epoch += 1
             state.commit()
@@ -136,7 +139,7 @@ def test_killed_worker_job_continues_on_the_other_node(cluster, tmp_path):
 
     threading.Thread(target=killer, daemon=True).start()
     logged = []
-    results = ex.run(_train, kwargs=dict(n=160, bs=2, epochs=3, sleep=0.05, out=str(tmp_path)),
+    results = ex.run(_train, kwargs=dict(n=160, bs=2, epochs=3, sleep=0.05, out=str(tmp_path), sleep_after_resize=0),
                      callbacks=[logged.append])
     assert killed
     _check_exact(results, 160, 3, 2)  # 4 workers on 2 nodes, then the 2 on the node that is left
@@ -172,7 +175,7 @@ def test_legacy_elastic_executor_grows_when_a_node_appears(cluster, tmp_path):
     ex = ElasticRayExecutor(settings, cpus_per_slot=1, override_discovery=False)
     ex.start()
     logged = []
-    results = ex.run(lambda: _train(200, 2, 3, 0.05, str(tmp_path)),  # upstream calls worker_fn() bare
+    results = ex.run(lambda: _train(200, 2, 3, 0.05, str(tmp_path), 0),  # upstream calls worker_fn() bare
                      callbacks=[logged.append])
     _check_exact(results, 200, 3, 4)
     assert results[0]["sizes"] == [2, 4]

@@ -182,18 +182,21 @@ def _returns_early_on_rank_zero(rounds_after: int):
     hvd.init()
     if hvd.rank() == 0:
         return "returned"
-    time.sleep(6)  # past the grace: rank 0 has left by now
+    time.sleep(4)  # past the grace (2 s here): rank 0 has left by now
     for i in range(rounds_after):  # rank 0 will never join these
         hvd.allreduce(np.ones(2), name=f"after.{i}")
     return "local work done"
 
 
 @pytest.mark.parametrize("rounds_after", [0, 1], ids=["local_work", "collective"])
-def test_a_rank_returning_before_the_others(rounds_after):
+def test_a_rank_returning_before_the_others(rounds_after, monkeypatch):
     """Rank 0's function returns while the others still run. A peer that then waits in a collective rank 0 will
     never join failed only at the stall deadline (300 s; upstream: never): rank 0 leaves the job after a
     grace, as a process that exits, so the peer fails at once. A peer with only local work left finishes.
     Either way the next run works."""
+    import horovod.ray.runner
+
+    monkeypatch.setattr(horovod.ray.runner, "EARLY_RETURN_GRACE_S", 2.0)  # the driver's (5 s by default)
     ex = RayExecutor(_settings(timeout_s=60), num_workers=2)
     ex.start()
     try:

@@ -168,7 +168,9 @@ def test_elastic_rounds(tmp_path, round_):
     fds_before = own.num_fds()
     shm_before = _dev_shm()
     # 200 samples x 2 epochs at 2 samples per rank and step: enough steps for every fault and replacement.
-    job = ElasticJob(tmp_path, TWO_HOSTS, ARGS, samples=200, batch=2, epochs=2, sleep=0.08)
+    # Once the last fault's replacement joined (2 resizes per fault), the job only has to finish: no pause.
+    job = ElasticJob(tmp_path, TWO_HOSTS, ARGS, samples=200, batch=2, epochs=2, sleep=0.08, sleep_after_resize=0.0,
+                     resizes=2 * faults)
     done = []
     try:
         target = 0

@@ -28,8 +28,15 @@ def skip_or_fail_without_spark() -> None:
 
 
 def local_spark_session(master: str, app_name: str, **conf: str) -> Any:
-    """A quiet local Spark session (no UI, driver on the loopback address), with ``conf`` on top."""
+    """A quiet local Spark session (no UI, driver on the loopback address), with ``conf`` on top.  A running
+    session of the same master and app (conftest.py's, shared by modules) is reused; one of another is stopped
+    first (``getOrCreate()`` would hand it over, whatever the master)."""
+    from pyspark import SparkContext
     from pyspark.sql import SparkSession
+
+    active = SparkContext._active_spark_context
+    if active is not None and (active.master != master or active.appName != app_name):
+        SparkSession.builder.getOrCreate().stop()  # the running session (clears it as the active one too)
 
     builder = (SparkSession.builder.master(master).appName(app_name)
                .config("spark.ui.enabled", "false").config("spark.ui.showConsoleProgress", "false")

@@ -264,12 +264,23 @@ def test_fetch_gives_up_at_the_deadline_naming_task_0():
 _JOIN = """
 import json, os, signal, sys, time
 from horovod.common import store_join
-store_join.join(store_join.JoinEnv(**json.loads(sys.argv[1])))
+spec = json.loads(sys.argv[1])
+store_join.join(store_join.JoinEnv(**spec))
 handler = signal.getsignal(signal.SIGTERM)
 print("JOINED", os.environ["HOROVOD_RANK"], os.environ["HOROVOD_SIZE"], "SIGTERM",
       "default" if handler == signal.SIG_DFL else handler, flush=True)
-if os.environ["HOROVOD_RANK"] == "0":
-    time.sleep(3)  # the store lives in rank 0: the others read the layout from it
+# The store lives in rank 0: it stays until the others have read the layout from it (each marks it has, once
+# its join returned), for at most 10 s -- or for TEST_STORE_HOLD seconds, for a process of another launch.
+mark = os.path.join(os.environ["TMPDIR"], "read." + spec["launch_id"].replace(" ", "_") + ".{}")
+if os.environ.get("TEST_STORE_HOLD"):
+    time.sleep(float(os.environ["TEST_STORE_HOLD"]))
+elif spec["rank"] == 0:
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and not all(os.path.exists(mark.format(r))
+                                                  for r in range(1, spec["world_size"])):
+        time.sleep(0.05)
+else:
+    open(mark.format(spec["rank"]), "w").close()
 """
 
 
@@ -305,7 +316,7 @@ def test_a_process_of_another_step_with_the_same_key_and_port_never_joins(tmp_pa
     the store as another job's."""
     port = _free_port()
     common = {"HOROVOD_SECRET_KEY": os.urandom(32).hex(), "HOROVOD_START_TIMEOUT": "3"}
-    a0 = _join(0, 2, "slurm 42.0", tmp_path, port, **common)
+    a0 = _join(0, 2, "slurm 42.0", tmp_path, port, TEST_STORE_HOLD="3", **common)  # until b1 was answered
     b1 = _join(1, 2, "slurm 42.1", tmp_path, port, **common)
     time.sleep(2.0)  # step B's task reaches step A's store first
     a1 = _join(1, 2, "slurm 42.0", tmp_path, port, **common)

@@ -318,8 +318,8 @@ def _stall(ctx: Ctx) -> tuple[str, int, float]:
     from horovod.transport.communicator import PeerFailure
 
     comm = make_communicator(ctx.mesh, list(range(ctx.size)), ctx.config)
-    if ctx.rank == 1:
-        time.sleep(2.5)
+    if ctx.rank == 1:  # stalled: never enters the allreduce, and stays until rank 0 has its outcome
+        ctx.store.get("stall.over", timeout=30)
         return "slept", -1, 0.0
     t0 = time.monotonic()
     n = ctx.args  # small: over the sockets; large: through the shm token rounds
@@ -327,6 +327,8 @@ def _stall(ctx: Ctx) -> tuple[str, int, float]:
         comm.allreduce(np.ones(n, np.float32), np.empty(n, np.float32), ReduceOp.SUM)
     except PeerFailure as e:
         return e.reason, e.peer, time.monotonic() - t0
+    finally:
+        ctx.store.put("stall.over", b"1")
     return "no error", -1, 0.0
 
 

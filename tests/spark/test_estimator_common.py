@@ -333,6 +333,33 @@ def test_fit_transform_output_types_and_save_load(frame, tmp_path):
     assert loaded.uid == model.uid
 
 
+def test_sparse_vector_label_predicts_sparse_vectors(estimator_spark, tmp_path):
+    """As upstream's transform: a label column whose rows are all SparseVectors gets SparseVector predictions
+    (the non-zero values of the prediction), one with dense rows too gets DenseVectors (it gave DenseVectors for
+    both)."""
+    from pyspark.ml.linalg import DenseVector, SparseVector, Vectors
+
+    xs = np.array([[0.0, 0.0], [3.0, 2.0], [1.0, 1.0], [-2.0, 0.5], [0.5, -1.0], [3.0, 2.0]])
+
+    def sparse(v):
+        return Vectors.sparse(len(v), {i: float(x) for i, x in enumerate(v) if x})
+
+    rows = [(Vectors.dense(x.tolist()), sparse(x @ W), float(x.sum()), int(round(x.sum())),
+             sparse(x @ W) if i % 2 else Vectors.dense((x @ W).tolist())) for i, x in enumerate(xs)]
+    df = estimator_spark.createDataFrame(rows, ["x", "ys", "yd", "yi", "ym"])
+    model = FakeEstimator(model=W, store=LocalStore(str(tmp_path)), backend=RecordingBackend(), feature_cols=["x"],
+                          label_cols=["ys", "yd", "yi", "ym"]).fit(df)
+    out = model.transform(df.select("x")).collect()
+    assert len(out) == len(xs)
+    for row in out:
+        expected = row["x"].toArray() @ W
+        assert isinstance(row["ys__output"], SparseVector) and isinstance(row["ym__output"], DenseVector)
+        assert row["ys__output"].size == 2
+        assert list(row["ys__output"].indices) == list(np.flatnonzero(expected))
+        np.testing.assert_allclose(row["ys__output"].toArray(), expected)
+        np.testing.assert_allclose(row["ym__output"].toArray(), expected)
+
+
 def _assembled_pipeline(store):
     from pyspark.ml import Pipeline
     from pyspark.ml.feature import VectorAssembler

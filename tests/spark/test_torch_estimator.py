@@ -223,6 +223,22 @@ def test_one_forward_pass_per_training_step(regression, tmp_path):
     assert int(fitted.getModel().calls) == 6
 
 
+def test_whole_tensor_input_shape_transforms_row_by_row(regression, tmp_path):
+    """``input_shapes=[[3]]`` (no -1: the whole tensor, upstream's tests with ``batch_size=1``) trains one row per
+    step, and ``transform`` feeds the model one row shaped ``(3,)`` at a time, as upstream's does: it reshaped a
+    batch of rows to ``[3]`` (``shape '[3]' is invalid for input of size ...``)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)
+    fitted = _linear_estimator(Store.create(str(tmp_path)), model, input_shapes=[[3]], batch_size=1, epochs=1,
+                               train_steps_per_epoch=20).fit(regression.drop("is_val"))
+    out = fitted.transform(regression.select("id", "features")).orderBy("id").collect()
+    assert len(out) == regression.count()
+    x = np.stack([r["features"].toArray() for r in out])
+    trained = fitted.getModel()
+    expected = x @ trained.weight.detach().numpy().ravel() + float(trained.bias)
+    np.testing.assert_allclose([r["y__output"] for r in out], expected, rtol=1e-5, atol=1e-5)
+
+
 def test_backward_passes_per_step(regression, tmp_path):
     """320 rows, batch 16, 2 processes: 10 batches per epoch, gradients of 2 batches per optimizer step."""
     torch.manual_seed(0)

@@ -44,7 +44,8 @@ class Dataset:
 
     ``metadata[col]`` = ``{"spark_data_type": type name, "spark_type_json": Spark's JSON of the type (None when
     unknown), "shape": flattened size (1 for scalars), "dtype": numpy dtype of the values, "intermediate_format":
-    "array" (vector or array column, stored as a list) or "nochange", "max_size": same as shape}``.
+    "array" (vector or array column, stored as a list) or "nochange", "max_size": same as shape}``; a vector
+    label column also has ``"is_sparse_vector_only"`` (every row a ``SparseVector``: its predictions are sparse).
     """
 
     train_data_path: str
@@ -113,8 +114,9 @@ def _check_columns(df: Any, label_columns: Sequence[str] | None, feature_columns
     return features, labels
 
 
-def _column_metadata(df: Any, columns: Sequence[str]) -> dict[str, dict[str, Any]]:
-    """Per column: Spark type, numpy dtype, flattened size (one aggregation pass for vector/array columns)."""
+def _column_metadata(df: Any, columns: Sequence[str], sparse_check: Sequence[str] = ()) -> dict[str, dict[str, Any]]:
+    """Per column: Spark type, numpy dtype, flattened size (one aggregation pass for vector/array columns) and,
+    for the vector columns in ``sparse_check`` (the labels), whether every row is a ``SparseVector``."""
     from pyspark.ml.functions import vector_to_array
     from pyspark.ml.linalg import VectorUDT
     from pyspark.sql import functions as F
@@ -122,15 +124,22 @@ def _column_metadata(df: Any, columns: Sequence[str]) -> dict[str, dict[str, Any
 
     sized = [c for c in columns if isinstance(df.schema[c].dataType, (VectorUDT, ArrayType))]
     sizes: dict[str, tuple[int, int]] = {}
+    sparse_only: dict[str, bool] = {}
     if sized:
         exprs = []
         for c in sized:
             col = vector_to_array(F.col(c)) if isinstance(df.schema[c].dataType, VectorUDT) else F.col(c)
             exprs += [F.min(F.size(col)).alias(f"min_{len(exprs)}"), F.max(F.size(col)).alias(f"max_{len(exprs)}")]
+        # A vector's "type" is 0 for sparse, 1 for dense (VectorUDT's SQL struct, reached through its JSON):
+        # predictions of a label whose rows are all sparse are SparseVectors, as upstream's.
+        vectors = [c for c in sized if c in sparse_check and isinstance(df.schema[c].dataType, VectorUDT)]
+        exprs += [F.max(F.get_json_object(F.to_json(F.struct(F.col(c).alias("v"))), "$.v.type").cast("int"))
+                  .alias(f"dense_{i}") for i, c in enumerate(vectors)]
         row = df.agg(*exprs).first()
         for i, c in enumerate(sized):
             sizes[c] = (int(row[2 * i] if row[2 * i] is not None else 0),
                         int(row[2 * i + 1] if row[2 * i + 1] is not None else 0))
+        sparse_only = {c: row[f"dense_{i}"] == 0 for i, c in enumerate(vectors)}
     metadata = {}
     for c in columns:
         dtype = df.schema[c].dataType
@@ -142,7 +151,8 @@ def _column_metadata(df: Any, columns: Sequence[str]) -> dict[str, dict[str, Any
             element = dtype.elementType if isinstance(dtype, ArrayType) else None
             metadata[c] = {"spark_data_type": type(dtype).__name__, "spark_type_json": dtype.json(),
                            "shape": high, "max_size": high, "intermediate_format": ARRAY_FORMAT,
-                           "dtype": _numpy_dtype(element) if element is not None else "float64"}
+                           "dtype": _numpy_dtype(element) if element is not None else "float64",
+                           "is_sparse_vector_only": sparse_only.get(c, False)}
         else:
             metadata[c] = {"spark_data_type": type(dtype).__name__, "spark_type_json": dtype.json(), "shape": 1,
                            "max_size": 1, "intermediate_format": NOCHANGE_FORMAT, "dtype": _numpy_dtype(dtype)}
@@ -207,7 +217,7 @@ def prepare_data(num_processes: int, store: Store, df: Any, label_columns: Seque
                 logger.info("horovod.spark: reusing the prepared data at %s", train_path)
             yield dataset
             return
-        metadata = _column_metadata(df, columns)
+        metadata = _column_metadata(df, columns, sparse_check=labels)
         if isinstance(validation, str):
             flag = F.col(validation)
             is_val = flag if dict(df.dtypes)[validation] == "boolean" else flag > 0

@@ -18,8 +18,9 @@ How a framework's estimator uses it (``horovod.spark.torch``, ``horovod.spark.ke
 ``fit(df)`` checks the parameters, materialises ``df`` in the store (:func:`~horovod.spark.common.data.prepare_data`)
 and calls ``_fit_on_prepared_data``; ``fit_on_parquet()`` does the same with Parquet data already in the store.
 ``transform(df)`` runs ``_predict_fn()`` over the rows in ``mapPartitions`` (batches of ``TRANSFORM_BATCH`` rows)
-and appends one column per label, typed like the label (vectors stay vectors; a vector prediction of a scalar
-label is a ``DenseVector``).  ``save(path)`` / ``Class.load(path)`` persist a returned model.
+and appends one column per label, typed like the label (vectors stay vectors, sparse ones when every row of the
+label was a ``SparseVector``; a vector prediction of a scalar label is a ``DenseVector``).  ``save(path)`` /
+``Class.load(path)`` persist a returned model.
 """
 
 from __future__ import annotations
@@ -183,13 +184,21 @@ def _label_type(meta: dict[str, Any] | None) -> Any:
     return None
 
 
-def _output_converter(label_type: Any, vector_prediction: bool) -> tuple[Any, Callable[[np.ndarray], Any]]:
-    """The output column's Spark type and the function turning one row's prediction into its value."""
-    from pyspark.ml.linalg import DenseVector, VectorUDT
+def _output_converter(label_type: Any, vector_prediction: bool, sparse: bool = False
+                      ) -> tuple[Any, Callable[[np.ndarray], Any]]:
+    """The output column's Spark type and the function turning one row's prediction into its value (``sparse``:
+    the label's rows were all SparseVectors, so are the predictions: their non-zero values, as upstream)."""
+    from pyspark.ml.linalg import DenseVector, SparseVector, VectorUDT
     from pyspark.sql import types as T
 
+    if isinstance(label_type, VectorUDT) and sparse:
+        def to_sparse(p: np.ndarray) -> SparseVector:
+            values = np.asarray(p, dtype=np.float64).reshape(-1)
+            nonzero = values.nonzero()[0]
+            return SparseVector(len(values), nonzero, values[nonzero])
+
+        return VectorUDT(), to_sparse
     if isinstance(label_type, VectorUDT) or (vector_prediction and not isinstance(label_type, T.ArrayType)):
-        # Sparse labels were stored dense, so their predictions are DenseVectors too.
         return VectorUDT(), lambda p: DenseVector(np.asarray(p, dtype=np.float64).reshape(-1))
     if isinstance(label_type, T.ArrayType):
         element = label_type.elementType
@@ -248,7 +257,9 @@ class HorovodModel(Model, ModelParams, _Persistence):
         batch = self._probe_batch(df, features, metadata)
         probe = predict(batch) if batch is not None else [np.zeros((1, 1))] * len(labels)
         vector = [np.asarray(p).reshape(len(np.asarray(p)), -1).shape[1] > 1 for p in probe]
-        converters = [_output_converter(_label_type(metadata.get(label)), vec) for label, vec in zip(labels, vector)]
+        converters = [_output_converter(_label_type(metadata.get(label)), vec,
+                                        bool((metadata.get(label) or {}).get("is_sparse_vector_only")))
+                      for label, vec in zip(labels, vector)]
         schema = StructType(list(df.schema.fields) + [StructField(out, kind, True)
                                                       for out, (kind, _) in zip(outputs, converters)])
         positions = [df.columns.index(c) for c in features]

@@ -173,16 +173,27 @@ def predict_fn(model: Any, feature_columns: Sequence[str], input_shapes: Sequenc
     integers = not any(name in sys.modules and isinstance(net, sys.modules[name].LightningModule)
                        for name in ("lightning.pytorch", "pytorch_lightning"))
 
+    # An input shape without -1 is a whole tensor's shape (``[[2]]`` with batch_size=1): upstream's transform
+    # reshapes one row at a time to it, so such a model is called row by row here too.
+    row_by_row = any(-1 not in list(shape) for shape in input_shapes)
+
+    def call(batch: dict[str, np.ndarray]) -> list[np.ndarray]:
+        from horovod.spark.torch.batches import as_outputs, features, float_dtype
+
+        outputs = as_outputs(net(*features(batch, feature_columns, input_shapes, float_dtype(net),
+                                           integers=integers)))
+        return [o.detach().cpu().numpy() for o in outputs]
+
     def predict(batch: dict[str, np.ndarray]) -> list[np.ndarray]:
         import torch
 
-        from horovod.spark.torch.batches import as_outputs, features, float_dtype
-
         torch.set_num_threads(1)
         with torch.no_grad():
-            outputs = as_outputs(net(*features(batch, feature_columns, input_shapes, float_dtype(net),
-                                               integers=integers)))
-        return [o.detach().cpu().numpy() for o in outputs]
+            if not row_by_row:
+                return call(batch)
+            rows = len(next(iter(batch.values())))
+            per_row = [call({c: v[i:i + 1] for c, v in batch.items()}) for i in range(rows)]
+            return [np.stack([r[k].reshape(-1) for r in per_row]) for k in range(len(per_row[0]))]
 
     return predict
 

@@ -419,3 +419,27 @@ def test_job_under_test_discovery_keeps_every_sample_once(cluster, tmp_path):
     size = results[0]["size"]
     _check_exact(results, 200, 2, size)
     assert len(results[0]["sizes"]) > 1 and set(results[0]["sizes"]) <= {2, 4}, results[0]["sizes"]
+
+
+class _PlainDiscovery:
+    """A discovery as upstream's tests write one: only ``find_available_hosts_and_slots``, no HostDiscovery base."""
+
+    def __init__(self, hosts):
+        self.hosts = hosts
+        self.calls = 0
+
+    def find_available_hosts_and_slots(self):
+        self.calls += 1
+        return dict(self.hosts)
+
+
+def test_plain_discovery_object_and_max_workers(cluster, tmp_path):
+    # it failed with "'_PlainDiscovery' object has no attribute 'close'"; max_workers caps the 4 slots found
+    nodes = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"])
+    settings = RayExecutor.create_settings(timeout_s=30)
+    settings.discovery = _PlainDiscovery({node: 2 for node in nodes})
+    ex = RayExecutor(settings, min_workers=1, max_workers=2, cpus_per_worker=1, override_discovery=False)
+    ex.start()
+    results = ex.run(lambda: _train(40, 2, 1, 0, str(tmp_path)))
+    _check_exact(results, 40, 1, 2)
+    assert settings.discovery.calls >= 1

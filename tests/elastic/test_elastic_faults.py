@@ -330,7 +330,8 @@ def test_host_added_while_a_removal_is_handled(elastic_job):
     survivors had left the generation: the next one started a fresh worker, which sync()ed alone while the
     survivors went on training -- mismatched collectives, a hang (the stall shutdown is off by default).  The
     generation now says it started a worker, and the survivors sync() with it."""
-    job = elastic_job(TWO_HOSTS, ["-np", "2", "--min-np", "1", "--max-np", "3"], sleep=0.2,
+    # one epoch: the mismatch shows at generation 1's first collective; the steps after it only repeat it
+    job = elastic_job(TWO_HOSTS, ["-np", "2", "--min-np", "1", "--max-np", "3"], sleep=0.2, epochs=1,
                       env={"TEST_SLOW_RESET": "localhost:0:3", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "0"})
     job.wait_steps(3, size=2)
     job.set_hosts(["localhost:1"])

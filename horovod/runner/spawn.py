@@ -51,7 +51,8 @@ TERMINATE_GRACE = 5.0
 
 CAUSE_GRACE = 3.0
 """Seconds the launcher waits, after a worker failed only because another rank did (its last error a
-``ShutdownError`` naming that rank), for the rank that caused it to exit, so the summary names the cause."""
+``ShutdownError`` naming that rank), for the rank that caused it to exit, so the summary names the cause.  The wait
+ends early once every rank left is stopped (SIGSTOP): none of them can exit."""
 
 _EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_]\w*\.)*([A-Za-z_]\w*(?:Error|Exception|Mismatch|Failure|Interrupt))(?::|$)")
 

@@ -343,7 +343,12 @@ _BUSY_RANK_BODY = """
         time.sleep(0.3)  # the last requests leave
         os.kill(os.getpid(), signal.SIGSTOP)
     else:
-        time.sleep(1.5)  # rank 1 is stopped: every answer to it stays unread
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:  # until rank 1 is stopped: every answer to it stays unread
+            with open(f"/proc/{pids[1]}/stat") as f:
+                if f.read().rpartition(")")[2].split()[0] in "Tt":
+                    break
+            time.sleep(0.01)
         if r == 2 and RESUME:
             threading.Timer(2.0, os.kill, (pids[1], signal.SIGCONT)).start()
         hs, hb = enqueue()

@@ -73,7 +73,9 @@ def test_stalled_rank_is_reported_and_shuts_the_job_down(tmp_path):
         hvd.init()
         t0 = time.monotonic()
         if hvd.rank() == 1:
-            time.sleep(6)  # never submits "stalled.tensor"
+            # never submits "stalled.tensor"; submits another only once rank 0 has its stall error
+            while not os.path.exists(os.path.join(OUT, "rank0.json")) and time.monotonic() - t0 < 30:
+                time.sleep(0.05)
             try:
                 hvd.allreduce(np.ones(2), name="late")
                 report(ok=True)
@@ -85,7 +87,13 @@ def test_stalled_rank_is_reported_and_shuts_the_job_down(tmp_path):
             report(ok=True)
         except Exception as e:
             report(error=str(e), type=type(e).__name__, elapsed=time.monotonic() - t0)
-        time.sleep(max(0.0, 8 - (time.monotonic() - t0)))  # let rank 1 report before the launcher stops it
+        while time.monotonic() - t0 < 30:  # let rank 1 report before the launcher stops it
+            try:
+                with open(os.path.join(OUT, "rank1.json")) as f:
+                    json.load(f)
+                break
+            except (OSError, ValueError):
+                time.sleep(0.05)
         sys.exit(1)
     """
     code, out = _run(tmp_path, 2, body, HOROVOD_STALL_CHECK_TIME_SECONDS="1", HOROVOD_STALL_SHUTDOWN_TIME_SECONDS="3")

@@ -51,7 +51,8 @@ TERMINATE_GRACE = 5.0
 
 CAUSE_GRACE = 3.0
 """Seconds the launcher waits, after a worker failed only because another rank did (its last error a
-``ShutdownError`` naming that rank), for the rank that caused it to exit, so the summary names the cause."""
+``ShutdownError`` naming that rank), for the rank that caused it to exit, so the summary names the cause.  The wait
+ends early once every rank left is stopped (SIGSTOP): none of them can exit."""
 
 _EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_]\w*\.)*([A-Za-z_]\w*(?:Error|Exception|Mismatch|Failure|Interrupt))(?::|$)")
 
@@ -307,15 +308,20 @@ def run_workers(specs: Sequence[WorkerSpec], spawner: Spawner = spawn_local,
         failed: list[tuple[int, int]] = []  # (rank, code) in the order they exited
         cause_deadline = None
         remaining = num_proc
+        by_rank = {spec.rank: proc for spec, proc in zip(specs, procs)}
+        exited: set[int] = set()
         while remaining:
             if stop_event is not None and stop_event.is_set():
                 raise Interrupted(getattr(stop_event, "signum", signal.SIGTERM))
             try:
                 rank, code = exits.get(timeout=0.1)
             except queue.Empty:
-                if cause_deadline is not None and time.monotonic() >= cause_deadline:
+                # The cause may still exit; not once every rank left is stopped (SIGSTOP): none of them can.
+                if cause_deadline is not None and (time.monotonic() >= cause_deadline or all(
+                        _group_stopped(proc.pid) for r, proc in by_rank.items() if r not in exited)):
                     break
                 continue
+            exited.add(rank)
             remaining -= 1
             if on_exit is not None:
                 on_exit(rank, code)
@@ -351,6 +357,29 @@ def run_workers(specs: Sequence[WorkerSpec], spawner: Spawner = spawn_local,
                     proc.stdin.close()
                 except OSError:
                     pass
+
+
+def _group_stopped(pgid: int) -> bool:
+    """Whether the worker under the watchdog ``pgid`` is stopped: every process of its group but the watchdog
+    (the leader) is (SIGSTOP), and there is one.  False where ``/proc`` cannot tell (a remote worker: the group
+    is its ssh client's)."""
+    stopped = False
+    try:
+        pids = [int(name) for name in os.listdir("/proc") if name.isdigit() and int(name) != pgid]
+    except OSError:
+        return False
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                state, _ppid, group = f.read().rpartition(")")[2].split()[:3]
+        except (OSError, ValueError):
+            continue
+        if int(group) != pgid:
+            continue
+        if state not in ("T", "t"):
+            return False
+        stopped = True
+    return stopped
 
 
 def _forward_and_close(src: BinaryIO, sink: OutputSink, rank: int, name: str, *, timestamp: bool,

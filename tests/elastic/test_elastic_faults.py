@@ -104,11 +104,12 @@ def test_hung_worker(elastic_job):
 
 
 def test_busy_worker_is_not_taken_for_hung(elastic_job):
-    """A peer dies while rank 0 works 10 s without a collective (a checkpoint, a validation pass): rank 0 is
+    """A peer dies while rank 0 works 7 s without a collective (a checkpoint, a validation pass): rank 0 is
     alive, only busy, and leaves the generation at its next collective.  The driver killed it as hung once the
     grace period (4 s here) was over and blacklisted its host, so the job failed with both hosts blacklisted
-    (upstream waits for it).  Workers now send a heartbeat: only one that stops is hung."""
-    job = elastic_job(TWO_HOSTS, ARGS, sleep_after_resize=0.0, env={"TEST_BUSY": "localhost:0:5:10"})
+    (upstream waits for it).  Workers now send a heartbeat: only one that stops is hung.  7 s: the peer is
+    killed as soon as rank 0 starts its work, so rank 0 stays busy ~3 s past the grace."""
+    job = elastic_job(TWO_HOSTS, ARGS, sleep_after_resize=0.0, env={"TEST_BUSY": "localhost:0:5:7"})
     deadline = time.monotonic() + 60
     while not (job.out / "busy").exists():
         assert time.monotonic() < deadline and job.proc.poll() is None, job.output()
@@ -134,7 +135,7 @@ def test_killed_during_mesh_formation(elastic_job, slot):
     """A worker killed while the first mesh forms: the survivor, waiting for its connection (rank 0) or
     retrying its listener (rank 1), leaves the generation at the driver's reset instead of waiting for the
     start timeout (20 s here) past the grace (4 s) -- which got it killed too and failed the job."""
-    job = elastic_job(TWO_HOSTS, ARGS, env={"TEST_DIE_IN_MESH": slot})
+    job = elastic_job(TWO_HOSTS, ARGS, sleep=0.0, env={"TEST_DIE_IN_MESH": slot})  # no action mid-job
     assert job.wait() == 0, job.output()
     assert (job.out / "died_in_mesh").exists()
     assert job.assert_exact()["sizes"] == [1]
@@ -199,7 +200,7 @@ def test_discovery_fails_mid_run(elastic_job):
 def test_waiting_for_slots_is_reported(elastic_job):
     """No host yet: the driver says what it waits for (not a silent job for up to --elastic-timeout), then
     starts once the hosts appear, and the outcome is exact."""
-    job = elastic_job([], ARGS)
+    job = elastic_job([], ARGS, sleep=0.0)  # no action once the job runs: no step pause
     deadline = time.monotonic() + 30
     while "elastic: waiting for 2 slots to start; 0 available now (usable hosts: none)" not in job.log_text():
         assert time.monotonic() < deadline and job.proc.poll() is None, job.output()
@@ -329,7 +330,8 @@ def test_host_added_while_a_removal_is_handled(elastic_job):
     survivors had left the generation: the next one started a fresh worker, which sync()ed alone while the
     survivors went on training -- mismatched collectives, a hang (the stall shutdown is off by default).  The
     generation now says it started a worker, and the survivors sync() with it."""
-    job = elastic_job(TWO_HOSTS, ["-np", "2", "--min-np", "1", "--max-np", "3"], sleep=0.2,
+    # one epoch: the mismatch shows at generation 1's first collective; the steps after it only repeat it
+    job = elastic_job(TWO_HOSTS, ["-np", "2", "--min-np", "1", "--max-np", "3"], sleep=0.2, epochs=1,
                       env={"TEST_SLOW_RESET": "localhost:0:3", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "0"})
     job.wait_steps(3, size=2)
     job.set_hosts(["localhost:1"])

@@ -271,6 +271,26 @@ def test_summary_names_the_rank_that_raised_not_a_peer_it_shut_down():
         assert "The first process to do so was:\nProcess name: 1\nExit code: 1\n" in proc.stderr
 
 
+def test_a_stopped_rank_is_not_waited_for_to_name_the_cause(tmp_path):
+    """Rank 0 fails with a ShutdownError caused by rank 1, which is stopped (SIGSTOP; a rank that never reads
+    does the same): the launcher waited its whole 3 s grace for rank 1 to exit, which a stopped process never
+    does.  It now ends the job once every rank left is stopped, naming rank 0 as before."""
+    script = (
+        "import os, signal, sys, time\n"
+        "if os.environ['HOROVOD_RANK'] == '1':\n"
+        "    os.kill(os.getpid(), signal.SIGSTOP)\n"
+        "time.sleep(0.5)\n"
+        "print('horovod.base.exceptions.ShutdownError: Horovod has been shut down. Cause: rank 1: timed out',\n"
+        "      file=sys.stderr)\n"
+        f"open({str(tmp_path / 'exited')!r}, 'w').write(repr(time.time()))\n"
+        "sys.exit(1)\n")
+    proc = horovodrun("-np", "2", sys.executable, "-c", script)
+    took = time.time() - float((tmp_path / "exited").read_text())
+    assert proc.returncode == 1, proc.stderr
+    assert "The first process to do so was:\nProcess name: 0\nExit code: 1\n" in proc.stderr, proc.stderr
+    assert took < 2.5, took  # 3 s and more when it waited
+
+
 def test_worker_killed_by_signal():
     """A rank killed by SIGKILL on this host was reported with Popen's -9 (and a note), one on another host
     with ssh's 137; upstream's local launcher reports 137 too (its middleman exits 128+N): 137, upstream's

@@ -175,7 +175,7 @@ def _silent_peer(ctx: Ctx):
     from horovod.runtime.engine import Engine, Topology
 
     if ctx.rank == ctx.args:
-        time.sleep(4.0)  # past the other rank's report (at most 3.5 s)
+        ctx.store.get("silent.over", timeout=30)  # silent until the other rank has its outcome
         return None
     ctx.config.op_timeout = 1.0
     engine = Engine(Topology(ctx.rank, ctx.size), ctx.config, ctx.mesh)
@@ -190,6 +190,7 @@ def _silent_peer(ctx: Ctx):
         return f"{type(e).__name__}: {e}", time.monotonic() - t0
     finally:
         engine.shutdown(timeout=5)
+        ctx.store.put("silent.over", b"1")
 
 
 @pytest.mark.parametrize("silent", [0, 1])

@@ -307,6 +307,19 @@ def _outcome(proc, timeout: float = 30) -> tuple[int | None, str]:
     return proc.returncode, out
 
 
+def _wait_listening(port: int, proc, timeout: float = 30.0) -> None:
+    """Until a socket listens on ``port`` (read from /proc: no connection the store would see)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+            with open(table) as f:
+                rows = [line.split() for line in f.readlines()[1:]]
+            if any(row[1].endswith(f":{port:04X}") and row[3] == "0A" for row in rows):  # 0A: LISTEN
+                return
+        time.sleep(0.02)
+    raise AssertionError(f"nothing listens on port {port} (the process exited: {proc.poll()})")
+
+
 def test_a_process_of_another_step_with_the_same_key_and_port_never_joins(tmp_path):
     """Two srun steps with the same ``HOROVOD_SECRET_KEY`` and ``HOROVOD_GLOO_RENDEZVOUS_PORT`` (or whose
     derived ports collide): step B's task 0 cannot listen, and step B's task 1 reached step A's store.  It
@@ -334,7 +347,7 @@ def test_two_steps_whose_derived_ports_collide_both_run(tmp_path):
     port, spare_b, spare_c = _free_port(), _free_port(), _free_port()
     common = {"HOROVOD_SECRET_KEY": os.urandom(32).hex(), "HOROVOD_START_TIMEOUT": "20"}
     a0 = _join(0, 2, "slurm 42.0", tmp_path, port, **common)
-    time.sleep(1.5)  # step A's store holds the port
+    _wait_listening(port, a0)  # step A's store holds the port
     with socket.create_server(("127.0.0.1", spare_b)) as squatter:  # a program that is no store
         threading.Thread(target=_answer_garbage, args=(squatter,), daemon=True).start()
         b = [_join(rank, 2, "slurm 42.1", tmp_path, port, (spare_b, spare_c), **common) for rank in (1, 0)]

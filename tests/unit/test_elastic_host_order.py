@@ -86,6 +86,18 @@ def test_discovery_script_lines(tmp_path):
     assert found.find_available_hosts_and_slots() == {"a": 2, "b": 4, "c.example-1": 3}
 
 
+@pytest.mark.parametrize("output,expected", [
+    ("", {}), ("host-1", {"host-1": 3}), ("host-1:2", {"host-1": 2}),
+    ("host-1\\nhost-5", {"host-1": 3, "host-5": 3}), ("host-1:2\\nhost-4:3", {"host-1": 2, "host-4": 3}),
+])
+def test_discovery_script_upstream_keywords(tmp_path, output, expected):
+    # upstream's constructor is HostDiscoveryScript(discovery_script, slots), called by keyword in its tests
+    from horovod.runner.elastic.discovery import HostDiscoveryScript
+
+    found = HostDiscoveryScript(discovery_script=_script(tmp_path, output), slots=3)
+    assert found.find_available_hosts_and_slots() == expected
+
+
 @pytest.mark.parametrize("line,problem", [
     ("bad host name", "expected 'host' or 'host:slots' on each line"),  # once a host the driver waited on
     ("a:x", "Invalid host input"),

@@ -50,8 +50,9 @@ class HostDiscovery:
 class HostDiscoveryScript(HostDiscovery):
     """Runs the user's script; a bare ``host`` line gets ``slots`` slots."""
 
-    def __init__(self, script: str, slots: int | None, timeout: float = 30.0) -> None:
-        self.script = script
+    # ``discovery_script``: upstream's keyword name (its tests and users' code construct it by keyword)
+    def __init__(self, discovery_script: str, slots: int | None, timeout: float = 30.0) -> None:
+        self.script = discovery_script
         self.slots = slots or 1
         self.timeout = timeout
         self._running: subprocess.Popen | None = None

@@ -179,3 +179,16 @@ def test_a_slow_discovery_does_not_hold_up_the_driver_loop():
     driver._discovery_call.join(5)
     driver._discover(last)  # takes the answer
     assert _names(driver.hosts) == ["a", "b"]
+
+
+def test_fixed_hosts_takes_upstreams_dict_and_set():
+    # upstream: FixedHosts({'host-1': 2}) and discovery.set({'host-1': 2, 'host-2': 2}) script the hosts
+    from horovod.runner.elastic.discovery import FixedHosts, HostManager
+
+    discovery = FixedHosts({"host-1": 2})
+    assert discovery.find_available_hosts_and_slots() == {"host-1": 2}
+    discovery.set({"host-1": 2, "host-2": 2})
+    assert discovery.find_available_hosts_and_slots() == {"host-1": 2, "host-2": 2}
+    manager = HostManager(discovery)
+    manager.update_available_hosts()
+    assert [(h.hostname, h.slots) for h in manager.usable_hosts()] == [("host-1", 2), ("host-2", 2)]

@@ -341,10 +341,15 @@ class _GenerationStore:
                           "rank must call hvd.init() the same number of times")
             if moved_on or gen != self.generation:
                 where = "never called init()" if gen is None else f"is at generation {gen} of init()"
+                # A peer that never reached init() and has not exited is most often still starting (imports,
+                # a busy or remote host): name the knob, as upstream's start-timeout errors do.
+                slow = ("; or it is still starting: you may need to increase the --start-timeout parameter "
+                        "(HOROVOD_START_TIMEOUT)") if gen is None else ""
                 raise GenerationMismatch(
                     peer, f"Horovod initialization failed: rank {peer} {where} while rank {self.rank} waited "
                           f"{wait:.0f} s at generation {self.generation}: every rank must call hvd.init() and "
-                          f"hvd.shutdown() the same number of times (did an init() fail, or a rank skip one?)")
+                          f"hvd.shutdown() the same number of times (did an init() fail, or a rank skip one?)"
+                          f"{slow}")
             raise timed_out
 
     def peer_state(self, peer: int) -> dict | None:

@@ -121,22 +121,32 @@ def parse_host_files(filename: str) -> str:
     return ",".join(items)
 
 
-def get_host_assignments(hosts: list[HostInfo], min_np: int, max_np: int | None = None) -> list[SlotInfo]:
-    """Assign ranks to slots, filling hosts in order (upstream's algorithm and error text).
+def get_host_assignments(hosts: list[HostInfo], min_num_proc: int | None = None, max_num_proc: int | None = None,
+                         *, min_np: int | None = None, max_np: int | None = None) -> list[SlotInfo]:
+    """Assign ranks to slots, filling hosts in order (upstream's algorithm, error text and keyword names:
+    upstream's tests call ``get_host_assignments(hosts, min_num_proc=1, max_num_proc=2)``, and
+    ``min_np=``/``max_np=``, its names before the rename, in older releases; both are accepted).
 
     ``cross_rank`` is the index of a host among the hosts that have a slot with the same ``local_rank``;
-    ``cross_size`` is the number of such hosts.  Without ``max_np`` every listed slot gets a rank.
+    ``cross_size`` is the number of such hosts.  Without ``max_num_proc`` every listed slot gets a rank.
 
     Raises:
-        ValueError: the hosts offer fewer than ``min_np`` slots.
+        ValueError: the hosts offer fewer than ``min_num_proc`` slots.
     """
+    if min_np is not None or max_np is not None:
+        if min_num_proc is not None or max_num_proc is not None:
+            raise TypeError("get_host_assignments() takes min_num_proc/max_num_proc or their old names "
+                            "min_np/max_np, not both")
+        min_num_proc, max_num_proc = min_np, max_np
+    if min_num_proc is None:
+        raise TypeError("get_host_assignments() missing required argument: 'min_num_proc'")
     host_ranks: list[tuple[HostInfo, list[int]]] = []
     cross_ranks: dict[int, dict[str, int]] = {}
     rank = 0
     for host in hosts:
         ranks = []
         for local_rank in range(host.slots):
-            if rank == max_np:
+            if rank == max_num_proc:
                 break
             ranks.append(rank)
             rank += 1
@@ -145,8 +155,8 @@ def get_host_assignments(hosts: list[HostInfo], min_np: int, max_np: int | None 
         host_ranks.append((host, ranks))
 
     world_size = rank
-    if world_size < min_np:
-        raise ValueError(f"Requested more processes ({min_np}) than there are available slots ({world_size})")
+    if world_size < min_num_proc:
+        raise ValueError(f"Requested more processes ({min_num_proc}) than there are available slots ({world_size})")
 
     slots = []
     for host, ranks in host_ranks:

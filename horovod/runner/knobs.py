@@ -266,10 +266,11 @@ def apply_config_file(values: dict[str, Any], config: Mapping[str, Any]) -> str 
     controller = config.get("controller")
     if not controller:
         return None
-    controller = str(controller).lower()
-    if controller not in ("gloo", "mpi"):
-        raise ValueError(f"config file: controller must be 'gloo' or 'mpi', got {controller!r}")
-    return controller
+    if str(controller).lower() not in ("gloo", "mpi"):
+        # upstream's text first (scripts match on it), then what is accepted
+        raise ValueError(f"No such controller supported: {controller} (config file: controller must be 'gloo' "
+                         "or 'mpi')")
+    return str(controller).lower()
 
 
 def _coerce(knob: Knob, value: Any, key: str | None = None) -> Any:

@@ -20,6 +20,9 @@ from horovod.runner.run_func import FUNC_KEY, RESULT_SCOPE
 __all__ = ["main"]
 
 
+_RANK_VARS = ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
+
+
 def _rank() -> int:
     """The rank this process ended with: Horovod's if it is initialized (elastic jobs change it), else the
     launcher's (or mpirun's)."""
@@ -27,7 +30,7 @@ def _rank() -> int:
 
     if basics.is_initialized():
         return basics.rank()
-    for name in ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK"):
+    for name in _RANK_VARS:
         if os.environ.get(name):
             return env_int(name, 0)
     return 0
@@ -65,8 +68,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stderr.write(f"User function raise error: {e}\n")
         traceback.print_exc()
         return 1
-    client.put(f"{RESULT_SCOPE}/{_rank()}", cloudpickle.dumps(result))
+    client.put(_result_key(), cloudpickle.dumps(result))
     return 0
+
+
+def _result_key() -> str:
+    """Where this worker stores its result: under its rank, or, for an elastic worker whose function never
+    called ``hvd.init()`` (elastic workers get no rank in their environment: it changes with each reset),
+    under its slot, which the driver maps to the slot's rank (upstream's elastic workers return a result
+    each; all of them were stored as rank 0's)."""
+    from horovod.common import basics
+
+    slot = read_env("HOROVOD_ELASTIC_SLOT") if read_env("HOROVOD_ELASTIC") else ""
+    if slot and not basics.is_initialized() and not any(os.environ.get(name) for name in _RANK_VARS):
+        return f"{RESULT_SCOPE}/slot.{slot}"
+    return f"{RESULT_SCOPE}/{_rank()}"
 
 
 if __name__ == "__main__":

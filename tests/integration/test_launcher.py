@@ -429,6 +429,18 @@ def test_horovod_run_elastic(tmp_path):
     assert results == [(0, 1, 1.0)]
 
 
+def test_horovod_run_elastic_function_without_init(tmp_path):
+    """Upstream's elastic horovod.run() returns one result per worker (rank order) also for a function that
+    never calls hvd.init(); here every such worker stored its result as rank 0's, and the job failed with
+    "Process 1 exited successfully but did not return a result"."""
+    script = tmp_path / "discover.sh"
+    script.write_text("#!/bin/sh\necho localhost:2\n")
+    script.chmod(0o755)
+    results = horovod.run(lambda x: (os.environ["HOROVOD_ELASTIC_SLOT"], x), args=(7,), np=2, min_np=2, max_np=2,
+                          host_discovery_script=str(script), start_timeout=30)
+    assert results == [("localhost:0", 7), ("localhost:1", 7)]
+
+
 def test_horovod_run_argument_errors():
     with pytest.raises(ValueError, match="Argument hosts and hostfile only allow one provided."):
         horovod.run(_rank_env, hosts="a:1", hostfile="f")

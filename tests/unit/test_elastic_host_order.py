@@ -86,6 +86,18 @@ def test_discovery_script_lines(tmp_path):
     assert found.find_available_hosts_and_slots() == {"a": 2, "b": 4, "c.example-1": 3}
 
 
+@pytest.mark.parametrize("output,expected", [
+    ("", {}), ("host-1", {"host-1": 3}), ("host-1:2", {"host-1": 2}),
+    ("host-1\\nhost-5", {"host-1": 3, "host-5": 3}), ("host-1:2\\nhost-4:3", {"host-1": 2, "host-4": 3}),
+])
+def test_discovery_script_upstream_keywords(tmp_path, output, expected):
+    # upstream's constructor is HostDiscoveryScript(discovery_script, slots), called by keyword in its tests
+    from horovod.runner.elastic.discovery import HostDiscoveryScript
+
+    found = HostDiscoveryScript(discovery_script=_script(tmp_path, output), slots=3)
+    assert found.find_available_hosts_and_slots() == expected
+
+
 @pytest.mark.parametrize("line,problem", [
     ("bad host name", "expected 'host' or 'host:slots' on each line"),  # once a host the driver waited on
     ("a:x", "Invalid host input"),
@@ -167,3 +179,16 @@ def test_a_slow_discovery_does_not_hold_up_the_driver_loop():
     driver._discovery_call.join(5)
     driver._discover(last)  # takes the answer
     assert _names(driver.hosts) == ["a", "b"]
+
+
+def test_fixed_hosts_takes_upstreams_dict_and_set():
+    # upstream: FixedHosts({'host-1': 2}) and discovery.set({'host-1': 2, 'host-2': 2}) script the hosts
+    from horovod.runner.elastic.discovery import FixedHosts, HostManager
+
+    discovery = FixedHosts({"host-1": 2})
+    assert discovery.find_available_hosts_and_slots() == {"host-1": 2}
+    discovery.set({"host-1": 2, "host-2": 2})
+    assert discovery.find_available_hosts_and_slots() == {"host-1": 2, "host-2": 2}
+    manager = HostManager(discovery)
+    manager.update_available_hosts()
+    assert [(h.hostname, h.slots) for h in manager.usable_hosts()] == [("host-1", 2), ("host-2", 2)]

@@ -147,6 +147,15 @@ def test_config_file_precedence(tmp_path):
     assert args.use_mpi
 
 
+def test_config_file_unknown_controller_has_upstreams_text(tmp_path):
+    path = tmp_path / "cfg.yaml"
+    path.write_text("controller: Foo\n")
+    with pytest.raises(ValueError, match=r"^No such controller supported: Foo\b"):
+        parse_args(["-np", "2", "--config-file", str(path), "true"])
+    path.write_text("controller: MPI\n")  # any case, as upstream
+    assert parse_args(["-np", "2", "--config-file", str(path), "true"]).use_mpi
+
+
 def test_simple_yaml_matches_pyyaml():
     yaml = pytest.importorskip("yaml")
     assert knobs._parse_simple_yaml(CONFIG, "cfg") == yaml.safe_load(CONFIG)

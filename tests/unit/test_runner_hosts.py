@@ -110,6 +110,18 @@ def test_no_max_launches_every_slot():
     assert len(get_host_assignments(parse_hosts("a:2,b:2"), 1, 3)) == 3
 
 
+def test_keyword_names_are_upstreams():
+    # upstream's signature is get_host_assignments(hosts, min_num_proc, max_num_proc=None); its own tests call it
+    # by keyword: worker-0:2,worker-1:2 with min 1, max 2 gives both ranks on worker-0, cross size 1
+    slots = get_host_assignments(parse_hosts("worker-0:2,worker-1:2"), min_num_proc=1, max_num_proc=2)
+    assert [(s.hostname, s.rank, s.local_rank, s.cross_rank, s.size, s.local_size, s.cross_size)
+            for s in slots] == [("worker-0", 0, 0, 0, 2, 2, 1), ("worker-0", 1, 1, 0, 2, 2, 1)]
+    # the names of upstream's earlier releases (and of its tests then)
+    assert get_host_assignments(parse_hosts("worker-0:2,worker-1:2"), min_np=1, max_np=2) == slots
+    with pytest.raises(TypeError):
+        get_host_assignments(parse_hosts("a:1"), 1, min_np=1)
+
+
 def test_too_few_slots():
     expected = r"^Requested more processes \(4\) than there are available slots \(3\)$"
     with pytest.raises(ValueError, match=expected):

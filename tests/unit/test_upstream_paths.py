@@ -36,6 +36,8 @@ UPSTREAM_PATHS = {
     "horovod.runner.common.util.codec": ["dumps_base64", "loads_base64"],
     "horovod.runner.common.util.hosts": ["HostInfo", "SlotInfo", "get_host_assignments", "parse_hosts"],
     "horovod.runner.common.util.safe_shell_exec": ["execute", "GRACEFUL_TERMINATION_TIME_S"],
+    "horovod.runner.elastic.worker": ["HostUpdateResult", "WorkerNotificationManager"],
+    "horovod.runner.elastic.discovery": ["HostDiscovery", "HostDiscoveryScript", "FixedHosts", "HostManager"],
 }
 
 
@@ -52,7 +54,18 @@ def test_upstream_from_imports():
     from horovod.runner.common.util import codec, hosts, safe_shell_exec, secret, timeout  # noqa: F401
     from horovod.runner.common.util import settings as hvd_settings  # noqa: F401
     from horovod.runner.common.util.hosts import SlotInfo, get_host_assignments, parse_hosts  # noqa: F401
+    from horovod.runner.elastic.discovery import FixedHosts, HostManager  # noqa: F401
+    from horovod.runner.elastic.worker import HostUpdateResult, WorkerNotificationManager  # noqa: F401
     from horovod.runner.util.threads import in_thread, on_event  # noqa: F401
+
+
+def test_host_update_result_flags():
+    # upstream's IntFlag: no_update=0, removed=1, added=2, mixed=3 (removed | added)
+    from horovod.runner.elastic.worker import HostUpdateResult
+
+    assert [int(HostUpdateResult.no_update), int(HostUpdateResult.removed), int(HostUpdateResult.added),
+            int(HostUpdateResult.mixed)] == [0, 1, 2, 3]
+    assert HostUpdateResult.removed | HostUpdateResult.added == HostUpdateResult.mixed
 
 
 @pytest.mark.parametrize("front_end", ["horovod.numpy", "horovod.torch", "horovod.tensorflow",

@@ -50,8 +50,9 @@ class HostDiscovery:
 class HostDiscoveryScript(HostDiscovery):
     """Runs the user's script; a bare ``host`` line gets ``slots`` slots."""
 
-    def __init__(self, script: str, slots: int | None, timeout: float = 30.0) -> None:
-        self.script = script
+    # ``discovery_script``: upstream's keyword name (its tests and users' code construct it by keyword)
+    def __init__(self, discovery_script: str, slots: int | None, timeout: float = 30.0) -> None:
+        self.script = discovery_script
         self.slots = slots or 1
         self.timeout = timeout
         self._running: subprocess.Popen | None = None
@@ -105,8 +106,16 @@ class HostDiscoveryScript(HostDiscovery):
 class FixedHosts(HostDiscovery):
     """``-H``/``--hostfile`` in elastic mode: the hosts never change (only the blacklist does)."""
 
-    def __init__(self, hosts: list[HostInfo]) -> None:
-        self._hosts = {h.hostname: h.slots for h in hosts}
+    def __init__(self, hosts: list[HostInfo] | dict[str, int]) -> None:
+        self.set(hosts)
+
+    def set(self, hosts: list[HostInfo] | dict[str, int]) -> None:
+        """Replace the hosts.  A ``{host: slots}`` dict is upstream's form (``FixedHosts({'host-1': 2})`` and
+        ``set()`` are how upstream's tests and users' drivers script discovery)."""
+        if isinstance(hosts, dict):
+            self._hosts = dict(hosts)
+        else:
+            self._hosts = {h.hostname: h.slots for h in hosts}
 
     def find_available_hosts_and_slots(self) -> dict[str, int]:
         return dict(self._hosts)

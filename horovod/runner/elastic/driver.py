@@ -210,11 +210,21 @@ class ElasticDriver:
                 raise spawn.JobFailure(*self.late_failure)
             if self.result_scope is None:
                 return None
-            return [self.server.get(f"{self.result_scope}/{rank}") for rank in range(len(self.plan.slots))]
+            return [self._result(rank) for rank in range(len(self.plan.slots))]
         finally:
             self.hosts.discovery.close()
             self._terminate_all()
             self.server.stop()
+
+    def _result(self, rank: int) -> bytes | None:
+        """What the worker of ``rank`` (last generation) stored: under its rank, or, when its function never
+        called ``hvd.init()`` (so it had no rank), under its slot (horovod.runner.run_task)."""
+        found = self.server.get(f"{self.result_scope}/{rank}")
+        if found is None:
+            slot = next((name for name, s in self.plan.slots.items() if s.rank == rank), None)
+            if slot is not None:
+                found = self.server.get(f"{self.result_scope}/slot.{slot}")
+        return found
 
     def _first_discovery(self) -> None:
         """Run the discovery once, on a thread, so that ``stop_event`` (SIGTERM) is noticed while a slow script

@@ -404,16 +404,6 @@ class _RayElasticDriver(ElasticDriver):
         return [value for _, value in sorted(done, key=lambda rv: rv[0])]
 
 
-class _DuckDiscovery(HostDiscovery):
-    """A user's discovery that is not a :class:`HostDiscovery` (no ``close``): asks it for the hosts."""
-
-    def __init__(self, discovery: Any) -> None:
-        self.discovery = discovery
-
-    def find_available_hosts_and_slots(self) -> dict[str, int]:
-        return self.discovery.find_available_hosts_and_slots()
-
-
 class _ElasticJob:
     """What both elastic front ends share: the parameters of one elastic Ray job and ``run``."""
 
@@ -422,10 +412,6 @@ class _ElasticJob:
                  cpus_per_worker: int, gpus_per_worker: int, nics: Any, env_vars: dict[str, str]) -> None:
         if max_workers is not None and max_workers < min_workers:
             raise ValueError(f"max_workers ({max_workers}) must not be less than min_workers ({min_workers}).")
-        if not callable(getattr(discovery, "close", None)):
-            # Upstream's driver only ever calls find_available_hosts_and_slots(), so a discovery written for it
-            # need not subclass HostDiscovery; ours also calls close() when the job ends.
-            discovery = _DuckDiscovery(discovery)
         self.kwargs = dict(discovery=discovery, num_proc=num_workers, min_np=min_workers, max_np=max_workers,
                            start_timeout=timeout_s, elastic_timeout=elastic_timeout, reset_limit=reset_limit,
                            cooldown_range=tuple(cooldown_range) if cooldown_range else None,

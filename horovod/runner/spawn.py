@@ -317,8 +317,8 @@ def run_workers(specs: Sequence[WorkerSpec], spawner: Spawner = spawn_local,
                 rank, code = exits.get(timeout=0.1)
             except queue.Empty:
                 # The cause may still exit; not once every rank left is stopped (SIGSTOP): none of them can.
-                if cause_deadline is not None and (time.monotonic() >= cause_deadline or all(
-                        _group_stopped(proc.pid) for r, proc in by_rank.items() if r not in exited)):
+                if cause_deadline is not None and (time.monotonic() >= cause_deadline or _groups_stopped(
+                        [proc.pid for r, proc in by_rank.items() if r not in exited])):
                     break
                 continue
             exited.add(rank)
@@ -359,27 +359,29 @@ def run_workers(specs: Sequence[WorkerSpec], spawner: Spawner = spawn_local,
                     pass
 
 
-def _group_stopped(pgid: int) -> bool:
-    """Whether the worker under the watchdog ``pgid`` is stopped: every process of its group but the watchdog
-    (the leader) is (SIGSTOP), and there is one.  False where ``/proc`` cannot tell (a remote worker: the group
-    is its ssh client's)."""
-    stopped = False
+def _groups_stopped(pgids: list[int]) -> bool:
+    """Whether every worker under the watchdogs ``pgids`` is stopped: each group has a process besides its
+    leader (the watchdog) and all of them are stopped (SIGSTOP).  One pass over ``/proc`` for all the groups;
+    False where it cannot tell (a remote worker: the group is its ssh client's)."""
+    wanted, stopped = set(pgids), set()
     try:
-        pids = [int(name) for name in os.listdir("/proc") if name.isdigit() and int(name) != pgid]
+        names = os.listdir("/proc")
     except OSError:
         return False
-    for pid in pids:
+    for name in names:
+        if not name.isdigit() or int(name) in wanted:
+            continue
         try:
-            with open(f"/proc/{pid}/stat") as f:
+            with open(f"/proc/{name}/stat") as f:
                 state, _ppid, group = f.read().rpartition(")")[2].split()[:3]
         except (OSError, ValueError):
             continue
-        if int(group) != pgid:
+        if int(group) not in wanted:
             continue
         if state not in ("T", "t"):
             return False
-        stopped = True
-    return stopped
+        stopped.add(int(group))
+    return stopped == wanted
 
 
 def _forward_and_close(src: BinaryIO, sink: OutputSink, rank: int, name: str, *, timestamp: bool,

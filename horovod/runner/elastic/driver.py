@@ -188,7 +188,7 @@ class ElasticDriver:
             self._first_discovery()  # the first discovery failure is fatal (upstream)
             self._check_remote_start()
         except BaseException:  # Ctrl-C, SIGTERM: the script runs in a session of its own, so stop it here
-            self.hosts.discovery.close()
+            self._close_discovery()
             raise
         job_tls = None
         if read_env("HOROVOD_TLS", {**self.base_env, **self.knobs}):
@@ -212,9 +212,16 @@ class ElasticDriver:
                 return None
             return [self._result(rank) for rank in range(len(self.plan.slots))]
         finally:
-            self.hosts.discovery.close()
+            self._close_discovery()
             self._terminate_all()
             self.server.stop()
+
+    def _close_discovery(self) -> None:
+        """Stop a discovery still running.  A user's discovery need not subclass ``HostDiscovery`` (upstream's
+        driver only ever calls ``find_available_hosts_and_slots()``): one without ``close`` has nothing to stop."""
+        close = getattr(self.hosts.discovery, "close", None)
+        if callable(close):
+            close()
 
     def _result(self, rank: int) -> bytes | None:
         """What the worker of ``rank`` (last generation) stored: under its rank, or, when its function never
